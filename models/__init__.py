@@ -10,10 +10,13 @@ from models.errors import (
     TokenOutOfVocabError,
 )
 from models.llama import Llama, ModelRunner, SeqInput, init_params
+from models.loading import LoadedModel, cache_dir, fetch_default_model, load_model
+from models.tokenizer import Tokenizer
 
 __all__ = [
     "ContextLengthError",
     "Llama",
+    "LoadedModel",
     "ModelConfig",
     "ModelFetchError",
     "ModelFileError",
@@ -22,5 +25,9 @@ __all__ = [
     "RopeScaling",
     "SeqInput",
     "TokenOutOfVocabError",
+    "Tokenizer",
+    "cache_dir",
+    "fetch_default_model",
     "init_params",
+    "load_model",
 ]
