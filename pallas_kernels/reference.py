@@ -126,7 +126,7 @@ def ragged_paged_attention_reference(
 
     Sequence ``b`` owns query rows ``cu_q_lens[b]:cu_q_lens[b+1]``; query ``j`` of it sits at kv
     position ``kv_lens[b] - q_len_b + j`` and attends causally. Rows past ``cu_q_lens[num_seqs]``
-    are padding and give zeros. Loops over sequences, each step scoring all T rows.
+    are padding and give zeros. Loops over sequences and, within one, over windows of rows.
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
     t, hq, d = q.shape
@@ -136,28 +136,43 @@ def ragged_paged_attention_reference(
         sm_scale = d**-0.5
     max_len = block_tables.shape[1] * page_size
     kv_pos = jnp.arange(max_len, dtype=jnp.int32)
-    rows = jnp.arange(t, dtype=jnp.int32)
     cu = jnp.asarray(cu_q_lens, jnp.int32)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     block_tables = jnp.asarray(block_tables, jnp.int32)
-    qg = q.reshape(t, hkv, g, d)
-    n = jnp.minimum(jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0], kv_lens.shape[0])
+    nb = kv_lens.shape[0]
+    n = jnp.minimum(jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0], nb)
+    # Rows are processed in windows of `win` (static) starting at each sequence's first row.
+    win = max(1, min(64, 1 << max(0, (t // max(nb, 1)).bit_length() - 1)))
+    qg = jnp.pad(q.reshape(t, hkv, g, d), ((0, win), (0, 0), (0, 0), (0, 0)))
+    win_rows = jnp.arange(win, dtype=jnp.int32)
 
-    def body(b, acc):
+    def seq_body(b, acc):
         start, end = cu[b], cu[b + 1]
         kv_len = kv_lens[b]
         k = _gather_seq(k_pages, block_tables[b])
         v = _gather_seq(v_pages, block_tables[b])
-        mine = (rows >= start) & (rows < end)  # [T]
-        q_pos = kv_len - (end - start) + (rows - start)  # [T]
-        mask = mine[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < kv_len)
-        if sliding_window is not None:
-            mask = mask & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = _scores(qg, k, sm_scale, soft_cap)  # [T, Hkv, G, L]
-        o = _masked_softmax_pv(s, mask[:, None, None, :], v, kv_pos < kv_len)
-        return acc + jnp.where(mine[:, None, None, None], o, 0.0)
 
-    acc = jax.lax.fori_loop(0, n, body, jnp.zeros((t, hkv, g, d), jnp.float32))
+        def window_body(c, acc):
+            r0 = start + c * win
+            rows = r0 + win_rows
+            mine = rows < end  # [win]
+            q_pos = kv_len - (end - start) + (rows - start)
+            mask = mine[:, None] & (kv_pos[None, :] <= q_pos[:, None])
+            mask = mask & (kv_pos[None, :] < kv_len)
+            if sliding_window is not None:
+                mask = mask & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+            qs = jax.lax.dynamic_slice_in_dim(qg, r0, win, 0)
+            s = _scores(qs, k, sm_scale, soft_cap)  # [win, Hkv, G, L]
+            o = _masked_softmax_pv(s, mask[:, None, None, :], v, kv_pos < kv_len)
+            old = jax.lax.dynamic_slice_in_dim(acc, r0, win, 0)
+            new = jnp.where(mine[:, None, None, None], o, old)
+            return jax.lax.dynamic_update_slice_in_dim(acc, new, r0, 0)
+
+        n_win = (end - start + win - 1) // win
+        return jax.lax.fori_loop(0, n_win, window_body, acc)
+
+    acc = jax.lax.fori_loop(0, n, seq_body, jnp.zeros((t + win, hkv, g, d), jnp.float32))
+    acc = acc[:t]
     return acc.reshape(t, hq, d).astype(q.dtype)
 
 
