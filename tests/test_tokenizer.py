@@ -7,6 +7,7 @@ import json
 
 import jinja2
 import pytest
+from model_files import tiny_gpt2_metadata
 
 from models import ModelFileError, Tokenizer
 
@@ -17,46 +18,6 @@ MIXED = (
     "Unicode: café naïve Ωμέγα 日本語のテキスト 한국어 emoji 🚀🔥👩‍💻 — “quotes” «guillemets»\n"
     'Numbers 1234567890 and 2026-11-29T07:15:00Z; JSON {"a": [1, 2, 3]}\r\nend'
 )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode map (byte-level BPE alphabet)."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
-def tiny_gpt2_metadata(pre: str = "smollm", add_bos: bool = False) -> dict:
-    alphabet = [bytes_to_unicode()[b] for b in range(256)]
-    merges = ["Ġ t", "h e", "Ġt he", "l l", "he ll"]
-    merged = ["Ġt", "he", "Ġthe", "ll", "hell"]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + alphabet + merged
-    types = [3] * len(specials) + [1] * (len(alphabet) + len(merged))
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.add_bos_token": add_bos,
-        "tokenizer.chat_template": (
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        ),
-    }
 
 
 # -- SmolLM2's embedded tokenizer ------------------------------------------------------------
