@@ -440,6 +440,67 @@ class ModelRunner:
         dst[: len(pairs)] = [p[1] for p in pairs]
         self.pool = self._copy_jit(self.pool, jnp.asarray(src), jnp.asarray(dst))
 
+    def bucket_sizes(self, max_tokens: int, max_batch: int, max_context: int) -> dict:
+        """The bucket values steps within these bounds can use (``tokens``, ``batch``,
+        ``pages``)."""
+
+        def ladder(lo: int, hi: int, cap: int | None = None) -> list[int]:
+            top = bucket(hi, lo, cap)
+            out = [bucket(1, lo, cap)]
+            while out[-1] < top:
+                out.append(min(out[-1] * 2, top))
+            return out
+
+        pages = -(-min(max_context, self.max_context) // self.page_size)
+        return {
+            "tokens": ladder(self.min_token_bucket, max_tokens),
+            "batch": ladder(self.min_batch_bucket, max_batch),
+            "pages": ladder(self.min_page_bucket, pages, self.max_pages_per_seq),
+        }
+
+    def warmup(
+        self,
+        *,
+        max_tokens: int,
+        max_batch: int,
+        max_context: int,
+        max_prefill_seqs: int | None = None,
+    ) -> int:
+        """Compile every step shape that serving within these bounds can hit; returns the number
+        of new compilations.
+
+        Covers decode steps (all sequences with one new token) for every batch bucket up to
+        ``max_batch``, and mixed/prefill steps (last-token logits) for every token bucket up to
+        ``max_tokens`` x batch bucket up to ``max_prefill_seqs`` (default ``max_batch``), each
+        for every page bucket up to ``max_context``. The warm-up steps write nothing to the pool
+        (all slots are padding, no sequence is active). Cost grows with the product of the
+        bucket counts: raise ``min_*_bucket`` to shrink it.
+        """
+        before = self._num_compilations
+        b = self.bucket_sizes(max_tokens, max_batch, max_context)
+        prefill_b = self.bucket_sizes(max_tokens, max_prefill_seqs or max_batch, max_context)
+        for p in b["pages"]:
+            for nb in b["batch"]:
+                self._run_dummy(nb, nb, p, decode=True)
+            for nb in prefill_b["batch"]:
+                for t in b["tokens"]:
+                    self._run_dummy(t, nb, p, decode=False)
+        return self._num_compilations - before
+
+    def _run_dummy(self, t: int, nb: int, p: int, *, decode: bool) -> None:
+        arrays = {
+            "tokens": np.zeros(t, np.int32),
+            "positions": np.zeros(t, np.int32),
+            "slot_mapping": np.full(t, -1, np.int32),
+            "kv_lens": np.zeros(nb, np.int32),
+            "block_tables": np.zeros((nb, p), np.int32),
+            "cu_q_lens": np.zeros(nb + 1, np.int32),
+            "num_seqs": np.zeros(1, np.int32),
+            "logit_rows": np.zeros(nb, np.int32),
+        }
+        logits, self.pool = self._step_jit(self._state, self.pool, arrays, decode)
+        logits.block_until_ready()
+
     def reset_pool(self) -> None:
         """Zero the whole pool (tests / benchmarks)."""
         self.pool = jax.tree_util.tree_map(jnp.zeros_like, self.pool)
