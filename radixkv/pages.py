@@ -87,7 +87,9 @@ class PagePool:
 
     def _as_ids(self, pages: PageIds) -> np.ndarray:
         if isinstance(pages, np.ndarray):
-            arr = pages.astype(np.int64, copy=False).reshape(-1)
+            if pages.dtype not in (np.int32, np.int64):
+                pages = pages.astype(np.int64)
+            arr = pages.reshape(-1)
         else:
             if not isinstance(pages, Sequence):
                 pages = list(pages)
@@ -178,6 +180,26 @@ class PagePool:
             new = rc - 1
             self._rc[arr] = new
             freed = arr[new == 0]
+        k = int(freed.size)
+        if k:
+            self._free[self._nfree : self._nfree + k] = freed
+            self._nfree += k
+        return k
+
+    def _release(self, arr: np.ndarray) -> int:
+        """decref for callers that guarantee valid, pairwise distinct ids (the tree's own pages).
+
+        Still refuses to drop a free page (nothing changes then). Returns pages freed.
+        """
+        if not arr.size:
+            return 0
+        rc = self._rc[arr]
+        if int(rc.min()) <= 0:
+            bad = int(arr[int(np.argmin(rc))])
+            raise PageRefError(f"decref of free page {bad} (reference count 0)")
+        rc -= 1
+        self._rc[arr] = rc
+        freed = arr[rc == 0]
         k = int(freed.size)
         if k:
             self._free[self._nfree : self._nfree + k] = freed

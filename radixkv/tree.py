@@ -386,6 +386,8 @@ class RadixTree:
         page is kept next to the cached one. Returns the number of tokens newly cached, i.e.
         ``len(tokens)`` minus the length :meth:`match` would have returned before the call.
 
+        The page ids must be pairwise distinct (one page per position, as in a block table).
+
         Raises:
             ValueError: wrong number of pages; PageRefError: a passed page is free.
         """
@@ -466,8 +468,8 @@ class RadixTree:
         self._touch(node, tick, hit=False)
         if release:
             rel = [r for r in release if len(r)]
-            if rel:
-                self.pool.decref(rel[0] if len(rel) == 1 else np.concatenate(rel))
+            if rel:  # validated above; ids are distinct (one page per position)
+                self.pool._release(rel[0] if len(rel) == 1 else np.concatenate(rel))
         return new_tokens
 
     # ------------------------------------------------------------------ lock
@@ -532,7 +534,8 @@ class RadixTree:
             if not parent.children and parent.parent is not None:
                 self._lru_add(parent)
         if released:
-            self.pool.decref(released[0] if len(released) == 1 else np.concatenate(released))
+            # tree pages are valid and pairwise distinct: skip the duplicate check
+            self.pool._release(released[0] if len(released) == 1 else np.concatenate(released))
             self.evicted_pages += count
         return count
 
