@@ -197,9 +197,13 @@ class PagePool:
         if int(rc.min()) <= 0:
             bad = int(arr[int(np.argmin(rc))])
             raise PageRefError(f"decref of free page {bad} (reference count 0)")
-        rc -= 1
-        self._rc[arr] = rc
-        freed = arr[rc == 0]
+        if int(rc.max()) == 1:  # common case: the caller held the last reference of each
+            self._rc[arr] = 0
+            freed = arr
+        else:
+            rc -= 1
+            self._rc[arr] = rc
+            freed = arr[rc == 0]
         k = int(freed.size)
         if k:
             self._free[self._nfree : self._nfree + k] = freed

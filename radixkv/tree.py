@@ -16,7 +16,8 @@ duplicates of already-cached pages are decref'd). ``lock(node)`` pins the path f
 the root against eviction; ``evict`` drops least-recently-used unlocked leaves (parents become
 leaves and follow), using a ``SortedList`` of evictable leaves: no scan of the tree.
 
-No jax here; bulk page ids are numpy int32 arrays.
+No jax here; bulk page ids are numpy int32 arrays, node keys are tuples of ints (compared
+with C-level slice equality; the cyclic GC untracks them, so a big tree costs it nothing).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ __all__ = ["Match", "Node", "NodeInfo", "RadixTree"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _CHUNK = 64  # tokens compared per slice while searching a mismatch
+
+
+def _as_key(tokens) -> tuple:
+    """Token ids as a tuple of Python ints (tuples of ints are not tracked by the cyclic GC)."""
+    if isinstance(tokens, tuple):
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        return tuple(tokens.tolist())
+    return tuple(tokens)
 
 
 class Match:
@@ -80,7 +90,7 @@ class Node:
         "key",
         "pages",
         "children",
-        "sorted_keys",
+        "heads",
         "lock",
         "last_access",
         "hits",
@@ -89,13 +99,15 @@ class Node:
         "in_lru",
     )
 
-    def __init__(self, nid: int, parent: Node | None, key: list[int], pages: np.ndarray, extra):
+    def __init__(self, nid: int, parent: Node | None, key: tuple, pages: np.ndarray, extra):
         self.id = nid
         self.parent = parent
         self.key = key
         self.pages = pages
         self.children: dict = {}
-        self.sorted_keys: SortedList | None = None
+        # page > 1: children's first pages by first token: one tuple, or a SortedList of them
+        # when several children start with the same token (they diverge mid-page)
+        self.heads: dict | None = None
         self.lock = 0
         self.last_access = 0
         self.hits = 0
@@ -194,13 +206,13 @@ class RadixTree:
     def _root(self, extra: Hashable) -> Node:
         root = self._roots.get(extra)
         if root is None:
-            root = self._roots[extra] = Node(0, None, [], _EMPTY, extra)
+            root = self._roots[extra] = Node(0, None, (), _EMPTY, extra)
         return root
 
     def _first_key(self, key: Sequence[int]):
         if self.page_size == 1:
             return key[0]
-        return tuple(key[: self.page_size])
+        return key[: self.page_size]
 
     def _lru_add(self, node: Node) -> None:
         if not node.in_lru and node.lock == 0 and not node.children and node.parent is not None:
@@ -232,17 +244,30 @@ class RadixTree:
             self._lru_remove(parent)
         parent.children[fk] = child
         if self.page_size > 1:
-            if parent.sorted_keys is None:
-                parent.sorted_keys = SortedList()
-            parent.sorted_keys.add(fk)
+            heads = parent.heads
+            if heads is None:
+                heads = parent.heads = {}
+            g = heads.get(fk[0])
+            if g is None:
+                heads[fk[0]] = fk
+            elif type(g) is tuple:
+                heads[fk[0]] = SortedList((g, fk))
+            else:
+                g.add(fk)
 
     def _remove_child(self, parent: Node, fk) -> None:
         del parent.children[fk]
-        if parent.sorted_keys is not None:
-            parent.sorted_keys.remove(fk)
+        if parent.heads is not None:
+            g = parent.heads[fk[0]]
+            if type(g) is tuple:
+                del parent.heads[fk[0]]
+            else:
+                g.remove(fk)
+                if len(g) == 1:
+                    parent.heads[fk[0]] = g[0]
 
     @staticmethod
-    def _lcp(key: list[int], tokens: list[int], s: int) -> int:
+    def _lcp(key: tuple, tokens: tuple, s: int) -> int:
         """Length of the common prefix of ``key`` and ``tokens[s:]``."""
         n = min(len(key), len(tokens) - s)
         if n == len(key):
@@ -267,26 +292,30 @@ class RadixTree:
             if child is None:
                 return None, 0
             return child, self._lcp(child.key, tokens, s)
-        pk = tuple(tokens[s : s + ps])
+        pk = tokens[s : s + ps]
         child = node.children.get(pk)
         if child is not None:
             if len(pk) < ps or len(child.key) == len(pk):
                 return child, len(pk)
             return child, self._lcp(child.key, tokens, s)
-        # No child holds this exact first page: the best partial (mid-page) candidate is a
-        # lexicographic neighbour of pk among the children's first pages.
-        sk = node.sorted_keys
-        i = sk.bisect_left(pk)
+        # No child holds this exact first page. The best partial (mid-page) candidate starts
+        # with pk's first token; among several, it is a lexicographic neighbour of pk.
+        g = node.heads.get(pk[0])
+        if g is None:
+            return None, 0
+        if type(g) is tuple:
+            cands: tuple = (g,)
+        else:
+            i = g.bisect_left(pk)
+            cands = tuple(g[j] for j in (i - 1, i) if 0 <= j < len(g))
         best, best_len = None, 0
-        for j in (i - 1, i):
-            if 0 <= j < len(sk):
-                ck = sk[j]
-                m = 0
-                lim = min(len(ck), len(pk))
-                while m < lim and ck[m] == pk[m]:
-                    m += 1
-                if m > best_len:
-                    best, best_len = node.children[ck], m
+        for ck in cands:
+            m = 1  # the first token is shared by construction
+            lim = min(len(ck), len(pk))
+            while m < lim and ck[m] == pk[m]:
+                m += 1
+            if m > best_len:
+                best, best_len = node.children[ck], m
         return best, best_len
 
     def _split(self, child: Node, k: int) -> Node:
@@ -303,7 +332,7 @@ class RadixTree:
             new.hashes = child.hashes[:kp]
             child.hashes = child.hashes[kp:] if len(child.hashes) > kp else None
         fk = self._first_key(child.key)
-        parent.children[fk] = new  # same first page: sorted_keys unchanged
+        parent.children[fk] = new  # same first page: heads unchanged
         child.key = child.key[k:]
         child.pages = child.pages[kp:].copy()
         child.parent = new
@@ -311,7 +340,7 @@ class RadixTree:
         self.num_nodes += 1
         return new
 
-    def _new_leaf(self, parent: Node, key: list[int], pages: np.ndarray, tick: int) -> Node:
+    def _new_leaf(self, parent: Node, key: tuple, pages: np.ndarray, tick: int) -> Node:
         leaf = Node(next(self._ids), parent, key, pages, parent.extra)
         leaf.last_access = tick
         self._add_child(parent, leaf)
@@ -334,8 +363,7 @@ class RadixTree:
         (``Match.partial``) that page is included and must be copy-on-written before the
         caller writes into it. Updates LRU time and hit counts of the matched path.
         """
-        if not isinstance(tokens, list):
-            tokens = list(tokens)
+        tokens = _as_key(tokens)
         root = self._roots.get(extra)
         if root is None:
             return Match(0, _EMPTY, self._root(extra))
@@ -391,8 +419,7 @@ class RadixTree:
         Raises:
             ValueError: wrong number of pages; PageRefError: a passed page is free.
         """
-        if not isinstance(tokens, list):
-            tokens = list(tokens)
+        tokens = _as_key(tokens)
         ps = self.page_size
         n = len(tokens)
         if isinstance(pages, np.ndarray) and pages.dtype == np.int32:
@@ -517,22 +544,30 @@ class RadixTree:
         page returns to the pool only when no block table holds it.
         """
         released: list[np.ndarray] = []
-        count = 0
+        count = tokens = nodes = 0
         lru = self._lru
+        pop_lru, pop_node = lru.pop, self._lru_nodes.pop
+        ps = self.page_size
         while count < num_pages and lru:
-            _, nid = lru.pop(0)
-            node = self._lru_nodes.pop(nid)
+            node = pop_node(pop_lru(0)[1])
             node.in_lru = False
             parent = node.parent
-            self._remove_child(parent, self._first_key(node.key))
-            released.append(node.pages)
-            count += len(node.pages)
-            self.cached_tokens -= len(node.key)
-            self.cached_pages -= len(node.pages)
-            self.num_nodes -= 1
-            self.evicted_nodes += 1
+            key = node.key
+            if ps == 1:
+                del parent.children[key[0]]
+            else:
+                self._remove_child(parent, key[:ps])
+            pages = node.pages
+            released.append(pages)
+            count += len(pages)
+            tokens += len(key)
+            nodes += 1
             if not parent.children and parent.parent is not None:
                 self._lru_add(parent)
+        self.cached_tokens -= tokens
+        self.cached_pages -= count
+        self.num_nodes -= nodes
+        self.evicted_nodes += nodes
         if released:
             # tree pages are valid and pairwise distinct: skip the duplicate check
             self.pool._release(released[0] if len(released) == 1 else np.concatenate(released))
@@ -614,7 +649,7 @@ class RadixTree:
         stack = [(root, [])]
         while stack:
             nd, prefix = stack.pop()
-            seq = prefix + nd.key
+            seq = prefix + list(nd.key)
             if not nd.children and nd.parent is not None:
                 out.append(seq)
             stack.extend((c, seq) for c in nd.children.values())
