@@ -7,6 +7,7 @@ Prints, per (kernel, batch, context), the time per call and the achieved K/V rea
     python -m benchmarks.kernels            # reference on CPU; kernels too on TPU / GPU
     python -m benchmarks.kernels --quick    # a small grid (CPU: well under a minute)
     python -m benchmarks.kernels --impls gpu,reference --batch 32 --ctx 4096   # the GPU target
+    python -m benchmarks.kernels --impls gpu --batch 32 --ctx 4096 --sweep     # tune GPU blocks
 
 On a GPU the decode target is >= 70% of the measured copy bandwidth at batch 32, context 4k,
 head_dim 128, bf16 (printed as the last line when that point is in the grid).
@@ -59,7 +60,7 @@ def make_pool(rng, batch, ctx, hkv, d, page_size, dtype):
     return k, v, jnp.asarray(tables)
 
 
-def bench_decode(impl, batch, ctx, *, hq, hkv, d, page_size, dtype, iters, rng):
+def bench_decode(impl, batch, ctx, *, hq, hkv, d, page_size, dtype, iters, rng, chunk=0):
     k, v, tables = make_pool(rng, batch, ctx, hkv, d, page_size, dtype)
     lengths = jnp.full((batch,), ctx, jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, hq, d), jnp.float32).astype(dtype)
@@ -69,7 +70,7 @@ def bench_decode(impl, batch, ctx, *, hq, hkv, d, page_size, dtype, iters, rng):
     return sec, kv_bytes
 
 
-def bench_ragged(impl, batch, ctx, *, hq, hkv, d, page_size, dtype, iters, rng, chunk=128):
+def bench_ragged(impl, batch, ctx, *, hq, hkv, d, page_size, dtype, iters, rng, chunk):
     """A mixed step: a quarter of the sequences prefill a ``chunk``-token chunk on top of a
     cached prefix of ``ctx - chunk`` tokens, the rest decode one token at context ``ctx``."""
     k, v, tables = make_pool(rng, batch, ctx, hkv, d, page_size, dtype)
@@ -84,6 +85,48 @@ def bench_ragged(impl, batch, ctx, *, hq, hkv, d, page_size, dtype, iters, rng, 
     sec = _time(f, q, k, v, kv_lens, tables, cu, num_seqs, iters=iters)
     kv_bytes = 2 * batch * ctx * hkv * d * jnp.dtype(dtype).itemsize
     return sec, kv_bytes
+
+
+def sweep_gpu_decode(batch, ctx, *, hq, hkv, d, page_size, dtype, iters, bw) -> dict:
+    """Try GPU decode block configs at one point; print each and return the fastest."""
+    from pallas_kernels import decode
+
+    rng = np.random.default_rng(0)
+    k, v, tables = make_pool(rng, batch, ctx, hkv, d, page_size, dtype)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, hq, d), jnp.float32).astype(dtype)
+    nbytes = 2 * batch * ctx * hkv * d * jnp.dtype(dtype).itemsize
+    best = None
+    print(f"sweep gpu decode batch={batch} ctx={ctx}: tokens/block k_splits warps stages")
+    for tokens in (32, 64, 128, 256):
+        ppb = max(1, tokens // page_size)
+        for splits in (1, 2, 4, 8):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    cfg = f"{tokens:4d} {splits:2d} {warps:2d} {stages:2d}"
+                    f = jax.jit(
+                        functools.partial(
+                            decode.paged_decode_attention_gpu,
+                            pages_per_compute_block=ppb,
+                            k_splits=splits,
+                            num_warps=warps,
+                            num_stages=stages,
+                        )
+                    )
+                    try:
+                        sec = _time(f, q, k, v, lengths, tables, iters=iters)
+                    except Exception as e:  # a config the compiler rejects
+                        print(
+                            f"  {tokens:4d} {splits:2d} {warps:2d} {stages:2d}  failed: {e!r:.80}"
+                        )
+                        continue
+                    pct = 100 * nbytes / sec / bw
+                    print(f"  {cfg}  {sec * 1e3:8.3f} ms {pct:4.0f}%")
+                    row = dict(tokens=tokens, k_splits=splits, warps=warps, stages=stages, pct=pct)
+                    if best is None or pct > best["pct"]:
+                        best = row
+    print(f"best: {best}")
+    return best or {}
 
 
 def main(argv=None) -> list[dict]:
@@ -105,12 +148,23 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument(
+        "--chunk",
+        type=int,
+        default=128 if on_accel else 32,
+        help="ragged: prefill chunk length of a quarter of the sequences",
+    )
+    ap.add_argument(
         "--max-kv-mib",
         type=float,
         default=None,
-        help="skip points whose K/V exceed this (default: 256 on CPU, unlimited elsewhere)",
+        help="skip points whose K/V exceed this (default: 64 on CPU, unlimited elsewhere)",
     )
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="GPU only: also sweep decode block configs at batch 32, ctx 4096",
+    )
     args = ap.parse_args(argv)
 
     batches = [int(x) for x in (args.batch or ("1,8" if args.quick else "1,8,32,64")).split(",")]
@@ -118,8 +172,8 @@ def main(argv=None) -> list[dict]:
         int(x)
         for x in (args.ctx or ("512,2048" if args.quick else "512,2048,4096,8192")).split(",")
     ]
-    iters = args.iters or (3 if args.quick else (5 if not on_accel else 20))
-    max_kv = args.max_kv_mib if args.max_kv_mib is not None else (None if on_accel else 256.0)
+    iters = args.iters or (20 if on_accel else 3)
+    max_kv = args.max_kv_mib if args.max_kv_mib is not None else (None if on_accel else 64.0)
     dtype = jnp.dtype(args.dtype)
     impls = [x for x in args.impls.split(",") if x]
     kernels = [x for x in args.kernels.split(",") if x]
@@ -160,6 +214,7 @@ def main(argv=None) -> list[dict]:
                         dtype=dtype,
                         iters=iters,
                         rng=rng,
+                        chunk=args.chunk,
                     )
                     gbs = nbytes / sec / 1e9
                     pct = 100 * nbytes / sec / bw
@@ -188,6 +243,18 @@ def main(argv=None) -> list[dict]:
         ):
             ok = "MET" if r["pct_copy"] >= 70 else "NOT MET"
             print(f"GPU decode target (>= 70% of copy bandwidth): {r['pct_copy']:.0f}% -> {ok}")
+    if args.sweep:
+        sweep_gpu_decode(
+            32,
+            4096,
+            hq=hq,
+            hkv=args.kv_heads,
+            d=args.head_dim,
+            page_size=args.page_size,
+            dtype=dtype,
+            iters=iters,
+            bw=bw,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=dev.device_kind, copy_gb_s=bw / 1e9, rows=rows), f, indent=1)

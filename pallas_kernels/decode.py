@@ -330,6 +330,8 @@ def paged_decode_attention_gpu(
     interpret: bool = False,
     pages_per_compute_block: int | None = None,
     k_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
     backend: str = "triton",
 ) -> jax.Array:
     """GPU flash-decoding paged attention. Shapes as :func:`pallas_kernels.paged_decode_attention`.
@@ -365,6 +367,8 @@ def paged_decode_attention_gpu(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     out = merge_partials(acc, mx, den, axis=2)  # [B, Hkv, Gp, D]
     return out[:, :, :g].reshape(b, hq, d).astype(q.dtype)
