@@ -50,10 +50,11 @@ def tpu_interpret_params(interpret: Any) -> Any:
     """
     from jax.experimental.pallas import tpu as pltpu
 
-    if isinstance(interpret, pltpu.InterpretParams):
+    params_cls = getattr(pltpu, "InterpretParams", None) or pltpu.TPUInterpretParams
+    if isinstance(interpret, params_cls):
         return interpret
     if interpret or _backend() != "tpu":
-        return pltpu.InterpretParams()
+        return params_cls()
     return False
 
 

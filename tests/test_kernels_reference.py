@@ -126,7 +126,10 @@ def test_write_kv_donated_equals_functional_scatter():
     vn = rng.standard_normal((6, hkv, d)).astype(np.float32)
     want_k, want_v = pk.write_kv(k, v, kn, vn, slots, impl="reference")
     kd, vd = jnp.array(k), jnp.array(v)
+    hlo = pk.write_kv_donated.lower(kd, vd, kn, vn, slots).compile().as_text()
+    assert "input_output_alias" in hlo  # pages are updated in place, not copied
     k2, v2 = pk.write_kv_donated(kd, vd, kn, vn, slots)
+    assert kd.is_deleted() and vd.is_deleted()
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(want_k))
     np.testing.assert_array_equal(np.asarray(v2), np.asarray(want_v))
     np.testing.assert_array_equal(np.asarray(k2), _numpy_scatter(k, kn, slots))
@@ -146,7 +149,9 @@ def test_copy_pages_equals_source(impl, donated):
     src = np.array([1, 4, 6, 6], np.int32)
     dst = np.array([7, 2, 6, 9], np.int32)  # (6, 6) is a padding no-op
     if donated:
-        out = pk.copy_pages_donated(jax.tree_util.tree_map(jnp.array, pool), src, dst)
+        dev_pool = jax.tree_util.tree_map(jnp.array, pool)
+        out = pk.copy_pages_donated(dev_pool, src, dst)
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(dev_pool))
     else:
         out = jax.jit(lambda p, s, d: pk.copy_pages(p, s, d, impl=impl))(pool, src, dst)
     assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(pool)
