@@ -416,8 +416,8 @@ def default_workloads(scale: float = 1.0, seed: int = 0) -> dict[str, list[Reque
     return {
         "few_shot": make_workload(
             "few_shot",
-            num_requests=n(300),
-            num_tasks=4,
+            num_requests=n(400),
+            num_tasks=16,
             example_len=100,
             question_len=80,
             output_len=1,
@@ -547,7 +547,10 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     wls = default_workloads(args.scale, args.seed)
     fr = [float(x) for x in args.fractions.split(",")]
     rows, sched = run_grid(wls, fr, args.page_size)
-    print(f"token hit rate by index (page {args.page_size}; belady = token-level optimum)")
+    print(
+        f"token hit rate by index (page {args.page_size}; belady = token-level optimum for the "
+        "trace order, same memory)"
+    )
     print(_table(rows, (*INDEXES, "belady")))
     print()
     print("radix hit rate by scheduling order (window 64, batch 8)")

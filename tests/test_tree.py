@@ -477,8 +477,8 @@ class TreeMachine(RuleBasedStateMachine):
 
 
 TreeMachine.TestCase.settings = settings(
-    max_examples=120,
-    stateful_step_count=40,
+    max_examples=250,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
