@@ -576,6 +576,62 @@ class RadixTree:
 
     # ------------------------------------------------------------------ inspection
 
+    def check_invariants(self) -> None:
+        """Walk the whole tree and raise AssertionError on any broken invariant (for tests).
+
+        Checks page alignment, page counts, parent links, the child and sibling indexes, the
+        LRU set (exactly the unlocked non-root leaves), lock counts (a node's count is at least
+        each child's), the counters, that tree pages are distinct and referenced in the pool.
+        O(tree size).
+        """
+        ps = self.page_size
+        tokens = pages = locked = nodes = 0
+        seen: set[int] = set()
+        lru_ids: set[int] = set()
+        for root in self._roots.values():
+            stack = [(root, 0)]
+            while stack:
+                nd, start = stack.pop()
+                if nd.parent is not None:
+                    nodes += 1
+                    k = len(nd.key)
+                    assert k > 0 and start % ps == 0, f"edge not page-aligned: {nd!r}"
+                    assert len(nd.pages) == -(-k // ps), f"page count mismatch: {nd!r}"
+                    assert not nd.children or k % ps == 0, f"partial page above a child: {nd!r}"
+                    assert nd.parent.children.get(self._first_key(nd.key)) is nd
+                    assert nd.lock >= 0 and nd.lock <= nd.parent.lock or nd.parent.parent is None
+                    tokens += k
+                    pages += len(nd.pages)
+                    if nd.lock:
+                        locked += len(nd.pages)
+                    for p in nd.pages.tolist():
+                        assert p not in seen, f"page {p} held twice by the tree"
+                        seen.add(p)
+                    leaf_unlocked = not nd.children and nd.lock == 0
+                    assert nd.in_lru == leaf_unlocked, f"LRU membership wrong: {nd!r}"
+                    if nd.in_lru:
+                        lru_ids.add(nd.id)
+                        assert (nd.last_access, nd.id) in self._lru
+                for fk, c in nd.children.items():
+                    assert c.parent is nd and self._first_key(c.key) == fk
+                    if ps > 1:
+                        g = nd.heads[fk[0]]
+                        assert g == fk if type(g) is tuple else fk in g
+                    stack.append((c, start + len(nd.key)))
+                if ps > 1 and nd.heads is not None:
+                    n_heads = sum(1 if type(g) is tuple else len(g) for g in nd.heads.values())
+                    assert n_heads == len(nd.children), "sibling index out of sync"
+        assert lru_ids == set(self._lru_nodes) and len(self._lru) == len(lru_ids)
+        assert (tokens, pages, locked, nodes) == (
+            self.cached_tokens,
+            self.cached_pages,
+            self.locked_pages,
+            self.num_nodes,
+        ), "counters out of sync"
+        if seen:
+            arr = np.fromiter(seen, dtype=np.int64, count=len(seen))
+            assert int(self.pool._rc[arr].min()) >= 1, "tree holds a free page"
+
     def page_hashes(self, node: Node) -> list[bytes]:
         """Chained hashes of ``node``'s full pages (computed lazily, cached on the nodes)."""
         ps = self.page_size

@@ -426,6 +426,7 @@ class TreeMachine(RuleBasedStateMachine):
     def refcounts_equal_holders(self):
         if not hasattr(self, "tree"):
             return
+        self.tree.check_invariants()
         expect = np.zeros(self.num_pages, dtype=np.int64)
         tree_pages = []
         lock_expect: dict[int, int] = {}
@@ -508,4 +509,6 @@ def test_long_sequences_against_brute_force(ps, granular):
             tree.evict(tree.cached_pages // 2)
             alive = tree.cached_sequences()
             cached = [c[:n] for c in cached if (n := max((lcp(c, a) for a in alive), default=0))]
+            tree.check_invariants()
+    tree.check_invariants()
     assert pool.num_used == tree.cached_pages
