@@ -140,7 +140,7 @@ def test_copy_pages_copy_on_write_fork():
 def test_buckets_stop_compiling_after_warmup():
     cfg = CONFIGS["base"]
     rng = np.random.default_rng(13)
-    _, runner = make_runner(cfg, seed=6, num_pages=128)
+    _, runner = make_runner(cfg, seed=6, num_pages=128, min_page_bucket=8)
 
     def run_mix(lengths_rounds):
         for lengths in lengths_rounds:
@@ -163,9 +163,10 @@ def test_buckets_stop_compiling_after_warmup():
         return out
 
     before = jax.tree_util.tree_map(np.asarray, runner.pool)
-    assert runner.bucket_sizes(64, 4, 64) == {"tokens": [16, 32, 64], "batch": [4], "pages": [4, 8]}
+    assert runner.bucket_sizes(64, 4, 64) == {"tokens": [16, 32, 64], "batch": [4], "pages": [8]}
+    assert runner.bucket_sizes(100, 9, 200)["batch"] == [4, 8, 16]
     compiled = runner.warmup(max_tokens=64, max_batch=4, max_context=64)
-    assert compiled == runner.num_compilations == 2 * (1 + 3)  # pages x (decode + 3 token sizes)
+    assert compiled == runner.num_compilations == 1 + 3  # decode + 3 token sizes
     for x, y in zip(
         jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(runner.pool), strict=True
     ):
