@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from radixkv.pages import PagePool
 
@@ -170,8 +170,12 @@ class HashIndex:
 
     Same interface as :class:`radixkv.tree.RadixTree`: ``match`` (whole pages only), ``insert``
     (consumes one reference per passed page; duplicates and a partial last page are released),
-    ``lock`` / ``unlock`` on the match handle, ``evict`` (LRU over unlocked pages, deepest first
-    among pages touched together) and the same counters.
+    ``lock`` / ``unlock`` on the match handle, ``evict`` and the same counters.
+
+    Eviction follows vLLM's free queue: unlocked pages in the order they were last used or
+    released (an ``OrderedDict``, O(1) per page), the deepest page first among pages of one
+    request, so a chain is dropped from its tail. Evicting a page whose children stay cached
+    orphans them (unreachable until the parent is cached again), as in vLLM.
     """
 
     def __init__(
@@ -183,8 +187,7 @@ class HashIndex:
         self.page_size = int(page_size)
         self.hasher = hasher or PageHasher()
         self._entries: dict[bytes, _Entry] = {}
-        self._lru: SortedList = SortedList()  # (last_access, -depth, seq) of unlocked entries
-        self._by_seq: dict[int, _Entry] = {}
+        self._free: OrderedDict[int, _Entry] = OrderedDict()  # unlocked entries, LRU first
         self._tick = 0
         self._seq = 0
         self._locked_pages = 0
@@ -221,11 +224,12 @@ class HashIndex:
         return r
 
     def _touch(self, entries: Sequence[_Entry], tick: int) -> None:
-        lru = self._lru
-        for e in entries:
+        """Move unlocked entries of one chain to the queue's end, the deepest evicted first."""
+        free = self._free
+        for e in reversed(entries):
             if e.lock == 0:
-                lru.remove((e.last_access, -e.depth, e.seq))
-                lru.add((tick, -e.depth, e.seq))
+                free[e.seq] = e
+                free.move_to_end(e.seq)
             e.last_access = tick
 
     # ------------------------------------------------------------------ API
@@ -273,25 +277,21 @@ class HashIndex:
         tick = self._tick
         h = self._root(extra)
         release: list[int] = []
-        touched: list[_Entry] = []
+        chain: list[_Entry] = []
         new = 0
         for i in range(n // ps):
             h = self.hasher.page(h, tokens[i * ps : (i + 1) * ps])
             e = self._entries.get(h)
             if e is not None:
                 release.append(pages[i])
-                touched.append(e)
-                continue
-            self._seq += 1
-            e = _Entry(h, pages[i], i, extra, self._seq)
-            e.last_access = tick
-            self._entries[h] = e
-            self._by_seq[e.seq] = e
-            self._lru.add((tick, -i, e.seq))
-            new += 1
+            else:
+                self._seq += 1
+                e = self._entries[h] = _Entry(h, pages[i], i, extra, self._seq)
+                new += 1
+            chain.append(e)
         if n % ps:
             release.append(pages[-1])
-        self._touch(touched, tick)
+        self._touch(chain, tick)
         if release:
             self.pool.decref(release)
         return new * ps
@@ -303,7 +303,7 @@ class HashIndex:
                 raise ValueError("lock of an evicted HashIndex entry (lock right after match)")
         for e in node.entries:
             if e.lock == 0:
-                self._lru.remove((e.last_access, -e.depth, e.seq))
+                del self._free[e.seq]
                 self._locked_pages += 1
             e.lock += 1
 
@@ -312,24 +312,23 @@ class HashIndex:
         for e in node.entries:
             if e.lock <= 0:
                 raise ValueError("unlock of an entry that is not locked")
-        for e in node.entries:
+        for e in reversed(node.entries):  # released pages join the queue's end, tail first
             e.lock -= 1
             if e.lock == 0:
                 self._locked_pages -= 1
-                self._lru.add((e.last_access, -e.depth, e.seq))
+                self._free[e.seq] = e
 
     def evict(self, num_pages: int) -> int:
         """Drop up to ``num_pages`` least-recently-used unlocked pages; returns pages released."""
         released: list[int] = []
-        lru = self._lru
-        while len(released) < num_pages and lru:
-            _, _, seq = lru.pop(0)
-            e = self._by_seq.pop(seq)
+        free = self._free
+        while len(released) < num_pages and free:
+            _, e = free.popitem(last=False)
             del self._entries[e.hash]
             e.alive = False
             released.append(e.page)
         if released:
-            self.pool.decref(released)
+            self.pool._release(np.asarray(released, dtype=np.int64))  # distinct by construction
             self.evicted_pages += len(released)
         return len(released)
 
