@@ -155,3 +155,57 @@ def test_hash_index_partial_page_and_duplicates_are_released():
     infos = idx.snapshot()
     assert len(infos) == 1 and infos[0].depth == 0
     assert np.all(pool.refcounts()[[infos[0].page]] == 1)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_hash_index_with_eviction_and_locks_keeps_content_and_counts(ps):
+    """Random insert / match / lock / evict: hits are real (pages hold the matched tokens),
+    never longer than any cached sequence allows, locked chains survive, no page leaks."""
+    rng = random.Random(10 + ps)
+    pool = PagePool(60)
+    idx = HashIndex(pool, page_size=ps)
+    content: dict[int, tuple] = {}  # page -> the tokens written into it
+    seen: list[list[int]] = []
+    held = []  # (handle, tokens, length) of locked matches
+    for _ in range(300):
+        base = rng.choice(seen) if seen and rng.random() < 0.7 else []
+        toks = base[: rng.randrange(len(base) + 1)] + [
+            rng.randrange(3) for _ in range(rng.randrange(1, 10))
+        ]
+        m = idx.match(toks)
+        best = max((lcp(toks, c) for c in seen), default=0)
+        assert m.length % ps == 0 and m.length <= best // ps * ps
+        for i, p in enumerate(m.pages):
+            assert content[p] == tuple(toks[i * ps : (i + 1) * ps])
+        op = rng.random()
+        if op < 0.15 and m.length and len(held) < 3:
+            idx.lock(m.node)
+            held.append((m.node, toks, m.length))
+        elif op < 0.3 and held:
+            node, _, _ = held.pop(rng.randrange(len(held)))
+            idx.unlock(node)
+        elif op < 0.45:
+            idx.evict(rng.randrange(1, 8))
+        else:
+            need = cdiv(len(toks), ps) - len(m.pages)
+            if need > pool.num_free:
+                idx.evict(need - pool.num_free)
+            if need > pool.num_free:
+                continue
+            pool.incref(m.pages)
+            fresh = pool.alloc(need)
+            for j, p in enumerate(fresh):
+                pos = len(m.pages) + j
+                content[p] = tuple(toks[pos * ps : (pos + 1) * ps])
+            idx.insert(toks, m.pages + fresh)
+            seen.append(toks)
+        for _, t, n in held:  # locked chains stay matchable
+            assert idx.match(t).length >= n
+        assert pool.num_used == idx.cached_pages
+        assert idx.locked_pages + idx.evictable_pages == idx.cached_pages
+        rc = pool.refcounts()
+        assert rc.max() <= 1 and rc.sum() == idx.cached_pages
+    for node, _, _ in held:
+        idx.unlock(node)
+    idx.evict(10**6)
+    assert pool.num_used == 0 and idx.cached_pages == 0
