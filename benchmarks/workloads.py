@@ -2,8 +2,9 @@
 
 Token-level generators return a list of :class:`Request` (prompt token ids, the output tokens a
 model would generate, and group / parent annotations); they take ``vocab_size`` (ids are drawn
-from ``[low, vocab_size)``) so traces can target a real tokenizer's id range. Every unique
-part (question, user turn, task) starts with a token that is distinct within its group, so the
+from ``[low, vocab_size)``) so traces can target a real tokenizer's id range. Unique parts that
+could otherwise share a token by chance (questions, system prompts of different groups, first
+user turns, agent tasks, branch outputs) start with tokens distinct among their siblings, so the
 sharing structure is exact: e.g. two prompts of one generated-shared-prefix group share exactly
 the system prompt, never a token more.
 
