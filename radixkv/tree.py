@@ -61,7 +61,9 @@ class Match:
 
     __slots__ = ("length", "node", "page_array", "partial", "_pages")
 
-    def __init__(self, length: int, page_array: np.ndarray, node, partial: bool = False) -> None:
+    def __init__(self, length: int, page_array, node, partial: bool = False) -> None:
+        if not isinstance(page_array, np.ndarray):
+            page_array = np.asarray(page_array, dtype=np.int32).reshape(-1)
         self.length = length
         self.page_array = page_array
         self.node = node
