@@ -286,24 +286,27 @@ class Engine:
         Args:
             model: None (the embedded SmolLM2-135M-Instruct), a path to a .gguf file or a
                 Hugging Face folder, a `models.LoadedModel`, a `models.ModelConfig` (random
-                weights, byte tokenizer when the vocabulary is small), or "tiny" (a tiny
-                random model for tests).
+                weights, byte tokenizer when the vocabulary is small), or "tiny" (test-only:
+                a tiny random model with a byte tokenizer).
             page_size: tokens per KV page.
             num_pages: pages in the KV pool; default from kv_memory_fraction of the free
-                device memory (capped at max_kv_tokens, default max_batch * context).
+                device memory, capped at max_kv_tokens (default max_batch * context; on CPU
+                at most 32768 tokens).
             max_batch: most running requests; max_num_batched_tokens: token budget per step.
             policy: "lpm" | "fcfs" | "dfs-weight".
             prefix_cache: False disables the radix-tree cache (for comparisons).
             dtype: compute / KV dtype (default float32).
         """
+        import jax
         import jax.numpy as jnp
 
         import models
 
         dtype = jnp.float32 if dtype is None else dtype
         tokenizer = None
-        if isinstance(model, str) and model.startswith("tiny"):
-            model = models.ModelConfig.tiny()
+        if isinstance(model, str) and model == "tiny" and not os.path.exists(model):
+            # test-only: a tiny random Llama (byte tokenizer, 2048-token context)
+            model = models.ModelConfig.tiny(max_position_embeddings=2048)
         if isinstance(model, models.ModelConfig):
             config = model
             params = models.init_params(config, seed=seed, dtype=dtype)
@@ -319,6 +322,8 @@ class Engine:
         bytes_per_token *= jnp.dtype(dtype).itemsize
         if num_pages is None:
             cap_tokens = max_kv_tokens or max_batch * config.max_context
+            if max_kv_tokens is None and jax.default_backend() == "cpu":
+                cap_tokens = min(cap_tokens, 32768)  # host RAM: keep the pool modest
             avail = int(_available_memory_bytes() * kv_memory_fraction)
             tokens = max(page_size * 4, min(avail // bytes_per_token, cap_tokens))
             num_pages = max(4, tokens // page_size)

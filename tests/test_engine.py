@@ -143,10 +143,13 @@ def test_bad_input_gets_clear_errors_and_engine_continues(runner_engine):
         eng.generate([[1, 2, 999]], GREEDY)
     with pytest.raises(InvalidPrompt, match="vocabulary"):
         eng.generate([[1, -2]], GREEDY)
+    ctx = eng.runner.max_context
     with pytest.raises(RequestRejected, match="context"):
-        eng.generate([[5] * 600], GREEDY)
+        eng.generate([[5] * (ctx + 1)], GREEDY)
     with pytest.raises(RequestRejected, match="context"):
-        eng.generate([[5] * 500], SamplingParams(max_tokens=100))
+        eng.generate([[5] * (ctx - 50)], SamplingParams(max_tokens=100))
+    with pytest.raises(RequestRejected, match="pool"):
+        twin(runner_engine, num_pages=4).generate([[5] * 40], GREEDY)
     with pytest.raises(InvalidSamplingParams):
         eng.generate(["ok"], {"temperature": 0})
     with pytest.raises(InvalidSamplingParams):
