@@ -381,7 +381,9 @@ class ModelRunner:
         self.min_page_bucket = min_page_bucket
         self.max_pages_per_seq = -(-config.max_context // self.page_size)
         model = Llama(config, params, dtype=dtype, attn_impl=attn_impl, interpret=interpret)
-        self._graphdef, self._state = nnx.split(model)
+        self._graphdef, state = nnx.split(model)
+        # the step takes the weights as a flat list (cheap to flatten on every call)
+        self._weights, self._weights_def = jax.tree_util.tree_flatten(state)
         shape = (config.num_kv_heads, self.num_pages, self.page_size, config.head_dim)
         self.pool: KVPool = tuple(
             (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
@@ -421,7 +423,8 @@ class ModelRunner:
         written in that case.
         """
         batch = self._pack(seqs)
-        logits, self.pool = self._step_jit(self._state, self.pool, batch["arrays"], batch["decode"])
+        arrays, decode = batch["arrays"], batch["decode"]
+        logits, self.pool = self._step_jit(self._weights, self.pool, arrays, decode)
         out = np.asarray(logits)
         return [out[a:b] for a, b in batch["logit_spans"]]
 
@@ -498,7 +501,7 @@ class ModelRunner:
             "num_seqs": np.zeros(1, np.int32),
             "logit_rows": np.zeros(nb, np.int32),
         }
-        logits, self.pool = self._step_jit(self._state, self.pool, arrays, decode)
+        logits, self.pool = self._step_jit(self._weights, self.pool, arrays, decode)
         logits.block_until_ready()
 
     def reset_pool(self) -> None:
@@ -512,8 +515,9 @@ class ModelRunner:
             pool, src, dst, impl=self.attn_impl, interpret=self.interpret
         )
 
-    def _step_fn(self, state, pool: KVPool, arrays: dict[str, jax.Array], decode_only: bool):
+    def _step_fn(self, weights, pool: KVPool, arrays: dict[str, jax.Array], decode_only: bool):
         self._num_compilations += 1  # runs once per trace, i.e. per compiled shape
+        state = jax.tree_util.tree_unflatten(self._weights_def, weights)
         model = nnx.merge(self._graphdef, state)
         meta = AttnMeta(
             slot_mapping=arrays["slot_mapping"],
