@@ -349,6 +349,9 @@ def paged_decode_attention_gpu(
     ppb, splits = gpu_decode_config(b, hkv, m, page_size)
     ppb = pages_per_compute_block or ppb
     splits = k_splits or splits
+    for name, val in (("pages_per_compute_block", ppb), ("page_size", page_size)):
+        if val & (val - 1):
+            raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
     m_pad = round_up(m, ppb * splits)
     tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
     gp = max(16, next_pow2(g))

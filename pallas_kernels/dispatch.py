@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import reference
 
@@ -58,6 +59,30 @@ def tpu_interpret_params(interpret: Any) -> Any:
     return False
 
 
+def check_attention_shapes(q, k_pages, v_pages, lens, block_tables) -> None:
+    """Raise ValueError for inconsistent attention inputs (at trace time, static shapes only)."""
+    q, k_pages, v_pages, lens, block_tables = (
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        for x in (q, k_pages, v_pages, lens, block_tables)
+    )
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(
+            f"q must be [N, Hq, D] and pages [Hkv, P, S, D]; got {q.shape}, {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    hkv, _, _, d = k_pages.shape
+    if q.shape[2] != d:
+        raise ValueError(f"q head_dim {q.shape[2]} != page head_dim {d}")
+    if q.shape[1] % hkv:
+        raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {hkv}")
+    if block_tables.ndim != 2 or lens.shape != (block_tables.shape[0],):
+        raise ValueError(
+            f"block_tables must be [B, max_pages] and lengths [B]; got {block_tables.shape}, "
+            f"{lens.shape}"
+        )
+
+
 def gpu_interpret(interpret: Any) -> bool:
     """``interpret`` argument for a GPU (Triton) ``pallas_call``: True unless running on a GPU."""
     return bool(interpret) or _backend() not in ("gpu", "cuda", "rocm")
@@ -93,6 +118,11 @@ def paged_decode_attention(
     Returns:
       ``[B, Hq, D]`` in ``q.dtype``.
     """
+    check_attention_shapes(q, k_pages, v_pages, lengths, block_tables)
+    if jnp.shape(q)[0] != jnp.shape(block_tables)[0]:
+        raise ValueError(
+            f"q batch {jnp.shape(q)[0]} != block_tables rows {jnp.shape(block_tables)[0]}"
+        )
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     impl = resolve_impl(impl)
     if impl == "reference":
@@ -149,6 +179,9 @@ def ragged_paged_attention(
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``.
     """
+    check_attention_shapes(q, k_pages, v_pages, kv_lens, block_tables)
+    if jnp.shape(cu_q_lens) != (jnp.shape(block_tables)[0] + 1,):
+        raise ValueError(f"cu_q_lens must be [B + 1]; got {jnp.shape(cu_q_lens)}")
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     impl = resolve_impl(impl)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)

@@ -217,6 +217,8 @@ def ragged_paged_attention_tpu(
     if sm_scale is None:
         sm_scale = d**-0.5
     bq = block_q or 32
+    if bq % 8:
+        raise ValueError(f"block_q must be a multiple of 8 on TPU, got {bq}")
     m = block_tables.shape[1]
     ppb = pages_per_compute_block or max(1, min(m, 256 // page_size))
     m_pad = round_up(m, ppb)
@@ -370,6 +372,9 @@ def ragged_paged_attention_gpu(
     bq = block_q or max(16, 64 // gp)
     m = block_tables.shape[1]
     ppb = pages_per_compute_block or max(1, min(next_pow2(m), max(1, 64 // page_size)))
+    for name, val in (("block_q", bq), ("pages_per_compute_block", ppb), ("page_size", page_size)):
+        if val & (val - 1):
+            raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
     m_pad = round_up(m, ppb)
     tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
     q_rows, cu, seq_first, seq_end, row_tok, nqb = _prepare(q, cu_q_lens, num_seqs, hkv, bq, gp)

@@ -170,3 +170,16 @@ def test_resolve_impl():
         assert pk.resolve_impl("auto") == "reference"
     with pytest.raises(ValueError):
         pk.resolve_impl("cuda")
+
+
+def test_bad_shapes_raise_value_error():
+    q = np.ones((2, 6, 16), np.float32)
+    k = np.ones((4, 5, 8, 16), np.float32)
+    lens = np.array([3, 4], np.int32)
+    tables = np.zeros((2, 3), np.int32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        pk.paged_decode_attention(q, k, k, lens, tables)
+    with pytest.raises(ValueError, match="head_dim"):
+        pk.paged_decode_attention(q[..., :8], k[:2], k[:2], lens, tables)
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        pk.ragged_paged_attention(q, k[:2], k[:2], lens, tables, np.zeros(2, np.int32), [2])
