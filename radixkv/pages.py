@@ -186,29 +186,46 @@ class PagePool:
             self._nfree += k
         return k
 
-    def _release(self, arr: np.ndarray) -> int:
-        """decref for callers that guarantee valid, pairwise distinct ids (the tree's own pages).
-
-        Still refuses to drop a free page (nothing changes then). Returns pages freed.
-        """
+    def _gather_referenced(self, arr: np.ndarray, what: str) -> np.ndarray:
+        """Reference counts of ``arr`` (int ids), raising PageRefError if any id is out of
+        range or free. Nothing changes."""
         if not arr.size:
-            return 0
-        rc = self._rc[arr]
+            return np.zeros(0, dtype=np.int32)
+        if int(arr.min()) < 0:
+            raise PageRefError(f"page id {int(arr.min())} out of range [0, {self._n})")
+        try:
+            rc = self._rc[arr]
+        except IndexError:
+            raise PageRefError(f"page id {int(arr.max())} out of range [0, {self._n})") from None
         if int(rc.min()) <= 0:
             bad = int(arr[int(np.argmin(rc))])
-            raise PageRefError(f"decref of free page {bad} (reference count 0)")
-        if int(rc.max()) == 1:  # common case: the caller held the last reference of each
+            raise PageRefError(f"{what} of free page {bad} (reference count 0)")
+        return rc
+
+    def _release_counted(self, arr: np.ndarray, rc: np.ndarray) -> int:
+        """decref of distinct, referenced ids whose current counts ``rc`` the caller gathered
+        (with :meth:`_gather_referenced`, nothing changed since). Returns pages freed."""
+        if not arr.size:
+            return 0
+        if int(rc.max()) == 1:
             self._rc[arr] = 0
             freed = arr
         else:
-            rc -= 1
-            self._rc[arr] = rc
-            freed = arr[rc == 0]
+            new = rc - 1
+            self._rc[arr] = new
+            freed = arr[new == 0]
         k = int(freed.size)
         if k:
             self._free[self._nfree : self._nfree + k] = freed
             self._nfree += k
         return k
+
+    def _release(self, arr: np.ndarray) -> int:
+        """decref for callers that guarantee valid, pairwise distinct ids (the tree's own pages).
+
+        Still refuses to drop a free page (nothing changes then). Returns pages freed.
+        """
+        return self._release_counted(arr, self._gather_referenced(arr, "decref"))
 
     def refcount(self, page: int) -> int:
         """Reference count of one page (0 = free)."""

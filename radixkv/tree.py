@@ -435,13 +435,15 @@ class RadixTree:
             )
         if n == 0:
             return 0
-        self.pool._check_referenced(self.pool._as_ids(parr), "insert")
-        release: list[np.ndarray] = []
+        rc = self.pool._gather_referenced(parr, "insert")  # validates before any change
+        release: list[tuple[int, int]] = []  # ranges of parr the caller gives back
+        own: list[np.ndarray] = []  # tree pages replaced by fuller caller pages
+        tail = None  # page-aligned mode: the partial last page is not cached
         if not self.token_granular and n % ps:
-            release.append(parr[-1:])
+            tail = (parr[-1:], rc[-1:])
             n -= n % ps
             tokens = tokens[:n]
-            parr = parr[: n // ps]
+            parr, rc = parr[: n // ps], rc[: n // ps]
         self._tick += 1
         tick = self._tick
         node, s = self._root(extra), 0
@@ -458,13 +460,13 @@ class RadixTree:
             if m == klen:
                 if klen % ps == 0 or s + m == n:
                     # Whole edge cached already: the caller's pages for it are duplicates.
-                    release.append(parr[sp : sp + len(child.pages)])
+                    release.append((sp, sp + len(child.pages)))
                     node, s = child, s + m
                     continue
                 # child is a partial leaf that tokens extend: take the caller's fuller pages.
                 full = klen // ps
-                release.append(parr[sp : sp + full])
-                release.append(child.pages[full:].copy())
+                release.append((sp, sp + full))
+                own.append(child.pages[full:].copy())
                 old_fk = self._first_key(child.key)
                 child.key = child.key + tokens[s + klen :]
                 newp = parr[sp + full :]
@@ -481,24 +483,33 @@ class RadixTree:
                 break
             if s + m == n:
                 # tokens end inside child's edge: everything is cached already.
-                release.append(parr[sp:])
+                release.append((sp, len(parr)))
                 node, s = child, n
                 break
             # Divergence inside child's edge at token m.
             full = m // ps
             if full:
                 child = self._split(child, full * ps)
-                release.append(parr[sp : sp + full])
+                release.append((sp, sp + full))
                 node = child
             self._new_leaf(node, tokens[s + full * ps :], parr[sp + full :].copy(), tick)
-            new_tokens += n - s - m
+            new_tokens += n - s - (m if self.token_granular else full * ps)
             s = n
             break
         self._touch(node, tick, hit=False)
-        if release:
-            rel = [r for r in release if len(r)]
-            if rel:  # validated above; ids are distinct (one page per position)
-                self.pool._release(rel[0] if len(rel) == 1 else np.concatenate(rel))
+        # the caller's duplicates: distinct ids (one page per position), counts gathered above
+        rel = [(a, b) for a, b in release if b > a]
+        if rel:
+            if len(rel) == 1:
+                a, b = rel[0]
+                self.pool._release_counted(parr[a:b], rc[a:b])
+            else:
+                ids = np.concatenate([parr[a:b] for a, b in rel])
+                self.pool._release_counted(ids, np.concatenate([rc[a:b] for a, b in rel]))
+        if tail is not None:
+            self.pool._release_counted(*tail)
+        if own:
+            self.pool._release(np.concatenate(own))
         return new_tokens
 
     # ------------------------------------------------------------------ lock

@@ -266,13 +266,14 @@ class TreeMachine(RuleBasedStateMachine):
 
     EXTRAS = (None, "tenant")
 
-    @initialize(ps=st.sampled_from([1, 2, 16]), data=st.data())
-    def setup(self, ps, data):
+    @initialize(ps=st.sampled_from([1, 2, 16]), granular=st.sampled_from([True, True, False]))
+    def setup(self, ps, granular):
         self.ps = ps
+        self.granular = granular
         self.max_len = {1: 10, 2: 14, 16: 40}[ps]
         self.num_pages = {1: 24, 2: 16, 16: 9}[ps]
         self.pool = PagePool(self.num_pages)
-        self.tree = RadixTree(self.pool, page_size=ps)
+        self.tree = RadixTree(self.pool, page_size=ps, token_granular=granular)
         self.model: dict = {e: [] for e in self.EXTRAS}  # cached token sequences per extra
         self.content: dict[int, list] = {}  # page -> tokens written in its slots
         self.requests: list[dict] = []
@@ -280,7 +281,16 @@ class TreeMachine(RuleBasedStateMachine):
     # -------------------------------------------------------------- helpers
 
     def expected_len(self, tokens, extra):
-        return max((lcp(tokens, s) for s in self.model[extra]), default=0)
+        best = max((lcp(tokens, s) for s in self.model[extra]), default=0)
+        return best if self.granular else best // self.ps * self.ps
+
+    def cacheable(self, tokens):
+        """What insert keeps: everything, or whole pages only in page-aligned mode."""
+        return tokens if self.granular else tokens[: len(tokens) // self.ps * self.ps]
+
+    def remember(self, tokens, extra):
+        if self.cacheable(tokens):
+            self.model[extra].append(self.cacheable(tokens))
 
     def draw_tokens(self, data, extra):
         base = []
@@ -376,14 +386,14 @@ class TreeMachine(RuleBasedStateMachine):
     def finish_request(self, i):
         r = self.requests.pop(i % len(self.requests))
         toks, extra = r["tokens"], r["extra"]
-        expect_new = len(toks) - self.expected_len(toks, extra)
+        expect_new = len(self.cacheable(toks)) - self.expected_len(toks, extra)
         assert self.tree.insert(toks, r["pages"], extra=extra) == expect_new
         if r["locked"]:
             self.tree.unlock(r["node"])
-        self.model[extra].append(toks)
+        self.remember(toks, extra)
         m = self.tree.match(toks, extra=extra)
-        assert m.length == len(toks)
-        self.check_pages_hold(m.pages, toks)
+        assert m.length == len(self.cacheable(toks))
+        self.check_pages_hold(m.pages, toks[: m.length])
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 3))
@@ -405,9 +415,9 @@ class TreeMachine(RuleBasedStateMachine):
             return
         pages = self.pool.alloc(need)
         self.write(pages, 0, toks)
-        expect_new = len(toks) - self.expected_len(toks, extra)
+        expect_new = len(self.cacheable(toks)) - self.expected_len(toks, extra)
         assert self.tree.insert(toks, pages, extra=extra) == expect_new
-        self.model[extra].append(toks)
+        self.remember(toks, extra)
 
     @rule(k=st.integers(1, 8))
     def evict(self, k):
