@@ -427,7 +427,6 @@ class Engine:
             all_logits=_score,
             use_cache=not _score,
         )
-        self.counters.requests_submitted += 1
         try:
             if _score:
                 if not ids:
@@ -440,6 +439,7 @@ class Engine:
         except RequestRejected:
             self.counters.requests_rejected += 1
             raise
+        self.counters.requests_submitted += 1
         group = _Group(rid, text, ids, params, [req], score=_score)
         self._groups[rid] = group
         self._by_req[id(req)] = group
@@ -477,7 +477,13 @@ class Engine:
                 continue
             self.scheduler.on_computed(seq)
             if req.all_logits:
-                req.data.setdefault("logits", []).append(lg)
+                # by position: a preempted score request recomputes rows, overwriting them
+                buf = req.data.get("logits")
+                if buf is None:
+                    buf = req.data["logits"] = np.empty(
+                        (len(req.tokens), lg.shape[-1]), dtype=np.float32
+                    )
+                buf[seq.start_pos : seq.start_pos + len(seq.token_ids)] = lg
                 if seq.sample:
                     self.scheduler.finish(req, "length")
                     updates.append((req, []))
@@ -544,6 +550,7 @@ class Engine:
                     for i in range(1, g.params.n)
                 ]
                 self.scheduler.fork(req, children)
+                self.counters.requests_submitted += len(children)
                 for c in children:
                     self._by_req[id(c)] = g
                     c.arrival = req.arrival
@@ -804,7 +811,7 @@ class Engine:
         self._forget(g)
         if req.finish_reason == "error":
             raise RuntimeError(f"score failed: {req.error}") from req.error
-        return np.concatenate(req.data["logits"], axis=0)
+        return req.data["logits"]
 
     def session(self, *, system: str | None = None, cache_salt: Hashable = None) -> Session:
         """A multi-turn chat Session (each turn reuses the previous turns' cached pages)."""

@@ -25,6 +25,8 @@ class Counters:
     evicted_pages: int = 0  # pages released by tree eviction
     evictions: int = 0  # eviction calls that released at least one page
     preemptions: int = 0
+    # request counters count sequences: each of the n samples of a prompt is one request;
+    # submitted = finished + aborted + failed + running + waiting (rejected are not submitted)
     requests_submitted: int = 0
     requests_rejected: int = 0  # refused at submission (bad input / can never fit)
     requests_finished: int = 0  # finished normally (stop / length)

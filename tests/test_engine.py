@@ -306,5 +306,6 @@ def test_soak_tiny_model_with_cancels_and_failures(runner_engine):
     st = eng.stats()
     n = sum(len(o.outputs) for o in outs.values())
     assert st.requests_finished + st.requests_aborted + st.requests_failed == n
+    assert st.requests_submitted == n
     assert st.prefix_cache_hits > 0
     assert_drained(eng)

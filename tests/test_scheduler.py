@@ -219,8 +219,8 @@ def test_soak_random_requests_cancels_and_step_failures():
     reasons = [c.finish_reason for o in outputs.values() for c in o.outputs]
     assert set(reasons) <= {"length", "abort", "error"}
     st = eng.stats()
-    assert st.requests_submitted == len(submitted)
     n_samples = len(reasons)
+    assert st.requests_submitted == n_samples and len(outputs) == len(submitted)
     assert st.requests_finished + st.requests_aborted + st.requests_failed == n_samples
     assert st.requests_failed == reasons.count("error") > 0
     n_gen = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
