@@ -352,6 +352,8 @@ def paged_decode_attention_gpu(
     for name, val in (("pages_per_compute_block", ppb), ("page_size", page_size)):
         if val & (val - 1):
             raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
+    if not interpret and ppb * page_size < 16:
+        raise ValueError("Triton dots need >= 16 tokens per compute block; raise pages_per_block")
     m_pad = round_up(m, ppb * splits)
     tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
     gp = max(16, next_pow2(g))

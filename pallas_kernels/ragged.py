@@ -375,6 +375,8 @@ def ragged_paged_attention_gpu(
     for name, val in (("block_q", bq), ("pages_per_compute_block", ppb), ("page_size", page_size)):
         if val & (val - 1):
             raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
+    if not interpret and (ppb * page_size < 16 or bq * gp < 16):
+        raise ValueError("Triton dots need >= 16 rows and >= 16 tokens per compute block")
     m_pad = round_up(m, ppb)
     tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
     q_rows, cu, seq_first, seq_end, row_tok, nqb = _prepare(q, cu_q_lens, num_seqs, hkv, bq, gp)

@@ -30,9 +30,12 @@ def _export(fn, platform, *shapes):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_decode_lowers(platform, dtype):
-    b, hq, hkv, d, p, s, m = 4, 32, 8, 128, 256, 16, 40
+@pytest.mark.parametrize(
+    "dtype,s,d,g", [(jnp.bfloat16, 16, 128, 4), (jnp.float32, 8, 64, 3), (jnp.bfloat16, 32, 64, 1)]
+)
+def test_decode_lowers(platform, dtype, s, d, g):
+    b, hkv, p, m = 4, 8, 256, 40
+    hq = hkv * g
     sds = jax.ShapeDtypeStruct
     kern = (
         decode.paged_decode_attention_tpu
