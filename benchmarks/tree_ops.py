@@ -9,7 +9,7 @@ Traces (issue 2):
 
 Each request runs the engine's protocol: ``match`` (timed), incref the matched pages, cow a
 partial last page, allocate the rest (untimed), ``insert`` prompt (+ answer) (timed; page ids
-passed as an int32 array, as a block-table row is). After the trace, one ``evict`` of 100k
+passed as a numpy array, as a block-table row is). After the trace, one ``evict`` of 100k
 tokens is timed. Token ids are fresh Python ints per request (as a tokenizer returns them).
 
 Usage::

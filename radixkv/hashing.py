@@ -254,7 +254,7 @@ class HashIndex:
             self._touch(found, self._tick)
             for e in found:
                 e.hits += 1
-        arr = np.fromiter((e.page for e in found), dtype=np.int32, count=len(found))
+        arr = np.fromiter((e.page for e in found), dtype=np.int64, count=len(found))
         return Match(len(found) * ps, arr, HashHandle(tuple(found)))
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], extra: Hashable = None) -> int:

@@ -57,7 +57,7 @@ class PagePool:
         self._n = num_pages
         self._rc = np.zeros(num_pages, dtype=np.int32)
         # Free stack: _free[:_nfree] are the free pages; the top is at _nfree - 1.
-        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)  # intp: fast indexing
         self._nfree = num_pages
         # Scratch for O(n) duplicate detection in bulk calls.
         self._scratch = np.zeros(num_pages, dtype=np.int64)
@@ -87,7 +87,7 @@ class PagePool:
 
     def _as_ids(self, pages: PageIds) -> np.ndarray:
         if isinstance(pages, np.ndarray):
-            if pages.dtype not in (np.int32, np.int64):
+            if pages.dtype != np.int64:
                 pages = pages.astype(np.int64)
             arr = pages.reshape(-1)
         else:
@@ -109,7 +109,7 @@ class PagePool:
         return bool((self._scratch[arr] != pos).any())
 
     def _check_referenced(self, arr: np.ndarray, what: str) -> np.ndarray:
-        rc = self._rc[arr]
+        rc = self._rc.take(arr)
         if arr.size and int(rc.min()) <= 0:
             bad = int(arr[int(np.argmin(rc))])
             raise PageRefError(f"{what} of free page {bad} (reference count 0)")
@@ -118,7 +118,7 @@ class PagePool:
     # ------------------------------------------------------------------ allocation
 
     def alloc_array(self, n: int) -> np.ndarray:
-        """Like :meth:`alloc` but returns an int32 numpy array."""
+        """Like :meth:`alloc` but returns an int64 numpy array."""
         n = int(n)
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
@@ -194,7 +194,7 @@ class PagePool:
         if int(arr.min()) < 0:
             raise PageRefError(f"page id {int(arr.min())} out of range [0, {self._n})")
         try:
-            rc = self._rc[arr]
+            rc = self._rc.take(arr)
         except IndexError:
             raise PageRefError(f"page id {int(arr.max())} out of range [0, {self._n})") from None
         if int(rc.min()) <= 0:

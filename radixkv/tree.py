@@ -16,7 +16,7 @@ duplicates of already-cached pages are decref'd). ``lock(node)`` pins the path f
 the root against eviction; ``evict`` drops least-recently-used unlocked leaves (parents become
 leaves and follow), using a ``SortedList`` of evictable leaves: no scan of the tree.
 
-No jax here; bulk page ids are numpy int32 arrays, node keys are tuples of ints (compared
+No jax here; bulk page ids are numpy int64 (intp) arrays, node keys are tuples of ints (compared
 with C-level slice equality; the cyclic GC untracks them, so a big tree costs it nothing).
 """
 
@@ -34,7 +34,7 @@ from radixkv.pages import PagePool
 
 __all__ = ["Match", "Node", "NodeInfo", "RadixTree"]
 
-_EMPTY = np.zeros(0, dtype=np.int32)
+_EMPTY = np.zeros(0, dtype=np.int64)
 _CHUNK = 64  # tokens compared per slice while searching a mismatch
 
 
@@ -53,7 +53,7 @@ class Match:
     Attributes:
         length: number of leading tokens whose K/V is cached.
         node: handle for ``lock`` / ``unlock`` (the deepest node used; the root on a miss).
-        page_array: int32 page ids covering ``[0, length)`` (``ceil(length / page_size)``).
+        page_array: int64 page ids covering ``[0, length)`` (``ceil(length / page_size)``).
         pages: the same ids as a ``list[int]`` (built on first access).
         partial: True when ``length`` ends inside the last page: copy-on-write it before
             writing the next token.
@@ -63,7 +63,7 @@ class Match:
 
     def __init__(self, length: int, page_array, node, partial: bool = False) -> None:
         if not isinstance(page_array, np.ndarray):
-            page_array = np.asarray(page_array, dtype=np.int32).reshape(-1)
+            page_array = np.asarray(page_array, dtype=np.int64).reshape(-1)
         self.length = length
         self.page_array = page_array
         self.node = node
@@ -424,10 +424,10 @@ class RadixTree:
         tokens = _as_key(tokens)
         ps = self.page_size
         n = len(tokens)
-        if isinstance(pages, np.ndarray) and pages.dtype == np.int32:
+        if isinstance(pages, np.ndarray) and pages.dtype == np.int64:
             parr = pages.reshape(-1)
         else:
-            parr = np.asarray(pages, dtype=np.int32).reshape(-1)
+            parr = np.asarray(pages, dtype=np.int64).reshape(-1)
         need = -(-n // ps)
         if len(parr) != need:
             raise ValueError(
