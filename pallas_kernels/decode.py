@@ -310,7 +310,8 @@ def merge_partials(acc: jax.Array, m: jax.Array, den: jax.Array, axis: int) -> j
 
 def gpu_decode_config(batch: int, hkv: int, max_pages: int, page_size: int) -> tuple[int, int]:
     """Default (pages_per_block, k_splits): ~64-token blocks, >= ~512 programs in the grid."""
-    ppb = max(1, min(next_pow2(max_pages), max(1, 64 // page_size)))
+    min_ppb = next_pow2(cdiv(16, page_size))  # Triton dots need >= 16 tokens per block
+    ppb = max(min_ppb, min(next_pow2(max_pages), max(1, 64 // page_size)))
     n_blocks = cdiv(max_pages, ppb)
     want = cdiv(512, max(1, batch * hkv))
     k_splits = max(1, min(n_blocks, next_pow2(want)))

@@ -371,7 +371,8 @@ def ragged_paged_attention_gpu(
         sm_scale = d**-0.5
     bq = block_q or max(16, 64 // gp)
     m = block_tables.shape[1]
-    ppb = pages_per_compute_block or max(1, min(next_pow2(m), max(1, 64 // page_size)))
+    min_ppb = next_pow2(cdiv(16, page_size))  # Triton dots need >= 16 tokens per block
+    ppb = pages_per_compute_block or max(min_ppb, min(next_pow2(m), max(1, 64 // page_size)))
     for name, val in (("block_q", bq), ("pages_per_compute_block", ppb), ("page_size", page_size)):
         if val & (val - 1):
             raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")

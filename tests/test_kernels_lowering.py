@@ -73,3 +73,30 @@ def test_ragged_lowers(platform):
         sds((b + 1,), jnp.int32),
         sds((1,), jnp.int32),
     )
+
+
+def test_gpu_defaults_fit_triton_minimums_for_tiny_tables():
+    """One 8-token page per sequence: default blocks still give >= 16-token Triton dots."""
+    sds = jax.ShapeDtypeStruct
+    pages = sds((2, 9, 8, 64), jnp.float32)
+    lens, tables = sds((3,), jnp.int32), sds((3, 1), jnp.int32)
+    _export(
+        decode.paged_decode_attention_gpu,
+        "cuda",
+        sds((3, 4, 64), jnp.float32),
+        pages,
+        pages,
+        lens,
+        tables,
+    )
+    _export(
+        ragged.ragged_paged_attention_gpu,
+        "cuda",
+        sds((5, 4, 64), jnp.float32),
+        pages,
+        pages,
+        lens,
+        tables,
+        sds((4,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
