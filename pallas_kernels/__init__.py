@@ -7,6 +7,18 @@ offset ``i % page_size`` (flat slot ``page_id * page_size + offset``). Block tab
 ``[batch, max_pages]`` padded with 0; lengths int32 ``[batch]``. Kernels never read positions at
 or past a sequence's length. See :mod:`pallas_kernels.reference` for the exact semantics and
 :mod:`pallas_kernels.dispatch` for the ``impl`` / ``interpret`` switches.
+
+Modules:
+
+* ``reference``: plain jnp oracle (also the ``"auto"`` path on CPU).
+* ``decode``: ``paged_decode_attention_tpu`` (Mosaic: scalar-prefetched tables, double-buffered
+  page DMAs, online softmax) and ``paged_decode_attention_gpu`` (flash-decoding split-K with a
+  log-sum-exp merge; Triton lowering behind ``decode.GPU_PARTIALS``).
+* ``ragged``: ``ragged_paged_attention_tpu`` / ``ragged_paged_attention_gpu`` (mixed prefill
+  chunks with cached prefix + decodes, packed queries).
+* ``kv_write``: scatter of new K/V into slots and the copy-on-write page copy (``*_donated``:
+  standalone jitted versions that update the pool in place).
+* ``testing``: random NaN-poisoned paged cases and a dense numpy oracle for tests/benchmarks.
 """
 
 from pallas_kernels.dispatch import (
