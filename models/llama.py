@@ -145,6 +145,13 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+def mm(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """``x @ w``; float32 weights get full float32 precision on every backend (no TF32 / bf16
+    passes), so float32 runs match a float32 reference."""
+    prec = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+    return jnp.matmul(x, w, precision=prec, preferred_element_type=out_dtype)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D/2] (float32)."""
     half = x.shape[-1] // 2
@@ -184,9 +191,9 @@ class Attention(nnx.Module):
         meta: AttnMeta,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
-        q = x @ self.wq[...]
-        k = x @ self.wk[...]
-        v = x @ self.wv[...]
+        q = mm(x, self.wq[...])
+        k = mm(x, self.wk[...])
+        v = mm(x, self.wv[...])
         if self.use_bias:
             q = q + self.bq[...]
             k = k + self.bk[...]
@@ -222,7 +229,7 @@ class Attention(nnx.Module):
                 **kw,
             )
         o = o.reshape(t, self.num_heads * self.head_dim).astype(x.dtype)
-        return o @ self.wo[...], (k_pages, v_pages)
+        return mm(o, self.wo[...]), (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
@@ -234,7 +241,8 @@ class MLP(nnx.Module):
         self.w_down = nnx.Param(p["w_down"])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        h = jax.nn.silu(mm(x, self.w_gate[...])) * mm(x, self.w_up[...])
+        return mm(h, self.w_down[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -301,8 +309,8 @@ class Llama(nnx.Module):
         """Final norm + LM head: [N, H] -> float32 [N, V]."""
         h = self.norm(h)
         if self.tied:
-            return jnp.einsum("nh,vh->nv", h, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.dot(h, self.lm_head[...], preferred_element_type=jnp.float32)
+            return mm(h, self.embed[...].T, jnp.float32)
+        return mm(h, self.lm_head[...], jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------
