@@ -360,6 +360,13 @@ class ModelRunner:
 
     The pool is a tuple over layers of ``(k_pages, v_pages)``, each
     ``[num_kv_heads, num_pages, page_size, head_dim]``.
+
+    Bucketing: a step is padded to power-of-two sizes (at least the ``min_*_bucket`` values) for
+    the packed token count, the number of sequences and the block-table width (capped at the
+    context length in pages); logits rows follow the sequence bucket (last-token logits) or the
+    token bucket (``all_logits``). Steps where every sequence has exactly one new token use the
+    decode kernel and a separate shape family. :meth:`warmup` compiles a serving envelope ahead
+    of time; ``num_compilations`` counts step compilations.
     """
 
     def __init__(
