@@ -6,13 +6,15 @@ token prefixes under equal cache-key extras hash equally in any process). The ro
 approximate, LRU-bounded copy of every replica's hash set: it adds the pages of each request
 it routes (the replica will have cached them once the request has run) and replicas may
 :meth:`~CacheAwareRouter.publish` their real hashes (e.g. from ``RadixTree.nodes()``) to
-correct it. Like SGLang's cache-aware router:
+correct it. Like SGLang's cache-aware router, but with one cost model instead of thresholds:
 
-* a request goes to the replica whose cached prefix for it is the longest (ties: least load,
-  then the replica holding the fewest pages, so new prefixes spread out);
-* but only replicas whose load is within ``balance_abs`` of the least loaded one (and below
-  ``max_load``, when set) are eligible, so one hot prefix cannot swamp its replica: when that
-  replica saturates, the prefix spreads to the next one, which then caches it too.
+* a request costs a replica its uncached prompt tokens (plus a per-request overhead and
+  weighted output tokens); it goes to the replica where queued work + that cost is least, so
+  the replica with the longest cached prefix wins until its queue outweighs recomputing the
+  prefix elsewhere: one hot prefix cannot swamp its replica, it spreads (and the next replica
+  caches it too);
+* optionally, replicas with ``max_load`` outstanding requests are saturated and skipped, and
+  ``balance_abs`` bounds how far ahead of the least busy replica one may get.
 
 :class:`RoundRobinRouter` has the same interface, for comparisons. :class:`DataParallelEngine`
 puts M engines behind a router and runs them concurrently (one thread each; JAX releases the
@@ -25,12 +27,14 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixkv.hashing import PageHasher
 
 __all__ = [
     "ReplicaIndex",
+    "Routed",
     "CacheAwareRouter",
     "RoundRobinRouter",
     "make_router",
@@ -81,19 +85,58 @@ class ReplicaIndex:
         self._lru = OrderedDict((h, None) for h in hashes)
 
 
+@dataclass(frozen=True)
+class Routed:
+    """A routing decision: the replica, the estimated work charged to its load (tokens to
+    compute: uncached prompt tokens + overhead + weighted output tokens) and the pages of the
+    prompt the replica was believed to hold."""
+
+    replica: int
+    cost: float
+    matched_pages: int = 0
+
+
 class _RouterBase:
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(
+        self, num_replicas: int, *, request_overhead: float = 16.0, decode_weight: float = 0.25
+    ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.num_replicas = int(num_replicas)
-        self.loads = [0.0] * self.num_replicas
+        self.request_overhead = float(request_overhead)
+        self.decode_weight = float(decode_weight)
+        self.loads = [0.0] * self.num_replicas  # estimated outstanding work (tokens)
+        self.outstanding = [0] * self.num_replicas  # routed, not completed requests
         self.routed = [0] * self.num_replicas
         self._lock = threading.Lock()
 
-    def complete(self, replica: int, cost: float = 1.0) -> None:
-        """A request routed to ``replica`` (with this ``cost``) finished: lower its load."""
+    def _charge(self, r: int, cost: float) -> None:
+        self.loads[r] += cost
+        self.outstanding[r] += 1
+        self.routed[r] += 1
+
+    def route(
+        self, tokens: Sequence[int], extra: Hashable = None, *, output_tokens: int = 0
+    ) -> int:
+        """The replica for a request (its estimated work is added to that replica's load)."""
+        return self.route_request(tokens, extra, output_tokens=output_tokens).replica
+
+    def route_request(
+        self, tokens: Sequence[int], extra: Hashable = None, *, output_tokens: int = 0
+    ) -> Routed:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def complete(self, replica: int, cost: float | None = None) -> None:
+        """A request routed to ``replica`` finished: remove its ``cost`` (default: the mean
+        outstanding cost there) from the replica's load."""
         with self._lock:
+            n = self.outstanding[replica]
+            if cost is None:
+                cost = self.loads[replica] / n if n else 0.0
+            self.outstanding[replica] = max(0, n - 1)
             self.loads[replica] = max(0.0, self.loads[replica] - cost)
+            if self.outstanding[replica] == 0:
+                self.loads[replica] = 0.0
 
     def publish(self, replica: int, hashes: Iterable[bytes]) -> None:  # noqa: B027
         """Replica's real cached page hashes (ignored by routers that do not use them)."""
@@ -111,29 +154,42 @@ class _RouterBase:
 class RoundRobinRouter(_RouterBase):
     """Sends request i to replica i mod M (the baseline)."""
 
-    def __init__(self, num_replicas: int, **_: Any) -> None:
+    def __init__(self, num_replicas: int, **kwargs: Any) -> None:
         super().__init__(num_replicas)
         self._next = itertools.count()
 
-    def route(self, tokens: Sequence[int], extra: Hashable = None, *, cost: float = 1.0) -> int:
-        """Pick a replica for a request (and count ``cost`` into its load)."""
+    def route_request(
+        self, tokens: Sequence[int], extra: Hashable = None, *, output_tokens: int = 0
+    ) -> Routed:
         with self._lock:
             r = next(self._next) % self.num_replicas
-            self.loads[r] += cost
-            self.routed[r] += 1
-            return r
+            cost = len(tokens) + self.request_overhead + self.decode_weight * output_tokens
+            self._charge(r, cost)
+            return Routed(r, cost)
 
 
 class CacheAwareRouter(_RouterBase):
-    """Longest cached prefix first, within a load-balance window.
+    """Earliest estimated finish: cached prefix vs queued work.
+
+    A request costs a replica ``uncached prompt tokens + request_overhead + decode_weight x
+    output_tokens`` (its cached prefix is free there). It goes to the eligible replica with the
+    least ``balance_weight x load + cost`` (load = the estimated work already routed there and
+    not finished), ties to the longer cached prefix. A replica holding a long prefix therefore
+    keeps its requests until its queue outweighs recomputing that prefix elsewhere; then the
+    prefix spreads, and the second replica caches it too.
 
     Args:
         num_replicas: M.
         page_size: tokens per page (must equal the replicas' page size for published hashes to
             match).
         capacity_pages: pages per replica (bounds each approximate index); None = unbounded.
-        balance_abs: a replica is eligible while its load is at most the least load plus this.
-        max_load: a replica at this load is saturated (not eligible unless all are).
+        balance_weight: weight of the queued work against the cache saving (0 = pure prefix
+            affinity; ties then go to the least loaded replica).
+        balance_abs: optional window: only replicas with at most this many more outstanding
+            requests than the least busy one are eligible.
+        max_load: a replica with this many outstanding requests is saturated (not eligible
+            unless all are).
+        request_overhead, decode_weight: the cost model above (tokens).
         hasher: the :class:`PageHasher` (default: the trees' default).
     """
 
@@ -143,15 +199,21 @@ class CacheAwareRouter(_RouterBase):
         *,
         page_size: int = 16,
         capacity_pages: int | None = None,
-        balance_abs: float = 4.0,
-        max_load: float | None = None,
+        balance_weight: float = 1.0,
+        balance_abs: float | None = None,
+        max_load: int | None = None,
+        request_overhead: float = 16.0,
+        decode_weight: float = 0.25,
         hasher: PageHasher | None = None,
     ) -> None:
-        super().__init__(num_replicas)
+        super().__init__(
+            num_replicas, request_overhead=request_overhead, decode_weight=decode_weight
+        )
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
-        self.balance_abs = float(balance_abs)
+        self.balance_weight = float(balance_weight)
+        self.balance_abs = balance_abs
         self.max_load = max_load
         self.hasher = hasher or PageHasher()
         self.indexes = [ReplicaIndex(capacity_pages) for _ in range(self.num_replicas)]
@@ -163,36 +225,43 @@ class CacheAwareRouter(_RouterBase):
         return self.hasher.chain(list(tokens), self.page_size, extra)
 
     def eligible(self) -> list[int]:
-        """Replicas not saturated and within the balance window of the least loaded one."""
-        loads = self.loads
+        """Replicas not saturated (and within the ``balance_abs`` window, when set)."""
+        out = self.outstanding
         ok = list(range(self.num_replicas))
         if self.max_load is not None:
-            free = [r for r in ok if loads[r] < self.max_load]
-            ok = free or [r for r in ok if loads[r] == min(loads)]
-        lo = min(loads[r] for r in ok)
-        return [r for r in ok if loads[r] <= lo + self.balance_abs]
+            free = [r for r in ok if out[r] < self.max_load]
+            ok = free or [r for r in ok if out[r] == min(out)]
+        if self.balance_abs is not None:
+            lo = min(out[r] for r in ok)
+            ok = [r for r in ok if out[r] <= lo + self.balance_abs]
+        return ok
 
-    def route(self, tokens: Sequence[int], extra: Hashable = None, *, cost: float = 1.0) -> int:
-        """Pick a replica for a request and record its pages there (and ``cost`` in its load)."""
+    def route_request(
+        self, tokens: Sequence[int], extra: Hashable = None, *, output_tokens: int = 0
+    ) -> Routed:
+        """Pick a replica for a request, record its pages there and charge its load."""
         chain = self.chain(tokens, extra)
+        n = len(tokens)
+        base = self.request_overhead + self.decode_weight * output_tokens
         with self._lock:
-            best = None
             best_key = None
+            best = Routed(0, 0.0)
             for r in self.eligible():
+                m = self.indexes[r].match(chain)
+                cost = n - m * self.page_size + base
                 key = (
-                    -self.indexes[r].match(chain),
-                    self.loads[r],
+                    self.balance_weight * self.loads[r] + cost,
+                    -m,
+                    self.outstanding[r],
                     len(self.indexes[r]),
                     r,
                 )
                 if best_key is None or key < best_key:
-                    best, best_key = r, key
-            assert best is not None
-            self.matched_pages += -best_key[0]
+                    best_key, best = key, Routed(r, cost, m)
+            self.matched_pages += best.matched_pages
             self.total_pages += len(chain)
-            self.indexes[best].add(chain)
-            self.loads[best] += cost
-            self.routed[best] += 1
+            self.indexes[best.replica].add(chain)
+            self._charge(best.replica, best.cost)
             return best
 
     def publish(self, replica: int, hashes: Iterable[bytes]) -> None:
@@ -264,7 +333,6 @@ class DataParallelEngine:
         built over this process's local devices (``models.sharding.make_mesh``).
         """
         from models.sharding import make_mesh, replica_meshes
-
         from radixkv.engine import Engine
 
         if mesh is None:
@@ -280,9 +348,16 @@ class DataParallelEngine:
     def tokenizer(self) -> Any:
         return self.engines[0].tokenizer
 
-    def route(self, prompts: Sequence[Any], cache_salt: Hashable = None) -> list[int]:
-        """Replica of every prompt (records the routing in the router)."""
-        return [self.router.route(self.engines[0].encode_prompt(p)[1], cache_salt) for p in prompts]
+    def route(
+        self, prompts: Sequence[Any], cache_salt: Hashable = None, params: Sequence[Any] = ()
+    ) -> list[Routed]:
+        """Routing decision of every prompt (recorded in the router)."""
+        out = []
+        for i, p in enumerate(prompts):
+            mt = getattr(params[i] if i < len(params) else None, "max_tokens", 0) or 0
+            ids = self.engines[0].encode_prompt(p)[1]
+            out.append(self.router.route_request(ids, cache_salt, output_tokens=mt))
+        return out
 
     def generate(
         self,
@@ -299,11 +374,11 @@ class DataParallelEngine:
             if isinstance(sampling_params, list | tuple)
             else [sampling_params] * len(prompts)
         )
-        routes = self.route(prompts, cache_salt)
-        self.last_routes = routes
+        routed = self.route(prompts, cache_salt, params)
+        self.last_routes = [x.replica for x in routed]
         shares: list[list[int]] = [[] for _ in self.engines]
-        for i, r in enumerate(routes):
-            shares[r].append(i)
+        for i, x in enumerate(routed):
+            shares[x.replica].append(i)
         results: list[Any] = [None] * len(prompts)
         errors: list[BaseException] = []
 
@@ -321,8 +396,8 @@ class DataParallelEngine:
             except BaseException as e:  # re-raised in the caller's thread
                 errors.append(e)
             finally:
-                for _ in idx:
-                    self.router.complete(r)
+                for i in idx:
+                    self.router.complete(r, routed[i].cost)
 
         threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.engines))]
         for t in threads:
