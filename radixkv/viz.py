@@ -564,10 +564,13 @@ class Recorder:
     ``generate`` runs like ``Engine.generate`` (continuous batching, outputs in prompt order) but
     step by step; every other attribute is the engine's, so a Recorder can stand in for the
     engine in code that only calls ``generate`` / ``tokenizer`` (e.g. ``radixkv.demo.run_agent``).
+    ``on_step(recorder, step_record)`` is called after every recorded step (e.g. to keep a tree
+    snapshot while requests are running).
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, on_step=None) -> None:
         self.engine = engine
+        self.on_step = on_step
         self.steps: list[StepRecord] = []
         self.requests: list[RequestRecord] = []
         self.outputs: list = []
@@ -587,6 +590,8 @@ class Recorder:
             self.engine.stats().as_dict(),
         )
         self.steps.append(rec)
+        if self.on_step is not None:
+            self.on_step(self, rec)
         return rec
 
     def generate(self, prompts, sampling_params=None, *, cache_salt=None, extra=None, label=None):
@@ -770,7 +775,11 @@ def _label_spans(ax, steps: Sequence[StepRecord]) -> None:
         if s.label is not None and s.label != prev:
             ax.axvline(s.step - 0.5, color="#555555", linewidth=0.8, linestyle="--")
             ax.annotate(
-                str(s.label), (s.step, 0.02), xycoords=("data", "axes fraction"), fontsize=8
+                str(s.label),
+                (s.step, 0.97),
+                xycoords=("data", "axes fraction"),
+                va="top",
+                fontsize=8,
             )
             prev = s.label
 
