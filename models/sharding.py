@@ -39,6 +39,15 @@ from models.config import ModelConfig
 from models.errors import ModelInputError
 from models.llama import KVPool, ModelRunner, Params, apply_rope, bucket, validate_params
 
+try:  # the single-device model's matmul (full float32 precision for float32 weights)
+    from models.llama import mm
+except ImportError:  # pragma: no cover - older models.llama
+
+    def mm(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+        prec = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        return jnp.matmul(x, w, precision=prec, preferred_element_type=out_dtype)
+
+
 __all__ = [
     "DATA",
     "MODEL",
@@ -263,7 +272,7 @@ def _local_step(
     new_pool = []
     for lp, (kp, vp) in zip(params["layers"], pool, strict=True):
         h = _rms(x, lp["attn_norm"], eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
         if config.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q = apply_rope(q.reshape(t, hq, d), cos, sin)
@@ -295,15 +304,15 @@ def _local_step(
                 sliding_window=config.sliding_window,
                 **kw,
             )
-        o = o.reshape(t, hq * d).astype(x.dtype) @ lp["wo"]
+        o = mm(o.reshape(t, hq * d).astype(x.dtype), lp["wo"])
         x = x + jax.lax.psum(o, MODEL)
         h = _rms(x, lp["mlp_norm"], eps)
-        m = (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        m = mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
         x = x + jax.lax.psum(m, MODEL)
         new_pool.append((kp, vp))
     rows = jnp.take(x, arrays["logit_rows"], axis=0)
     h = _rms(rows, params["norm"], eps)
-    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = mm(h, params["lm_head"], jnp.float32)
     return logits, tuple(new_pool)
 
 

@@ -24,6 +24,7 @@ GIL while a step runs on its devices).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -337,6 +338,14 @@ class DataParallelEngine:
 
         if mesh is None:
             mesh = make_mesh(tensor_parallel or 1, data_parallel or 1)
+        if model is None or (isinstance(model, str) and (model != "tiny" or os.path.exists(model))):
+            import jax.numpy as jnp
+
+            import models
+
+            # load the weights once for all replicas
+            dtype = kwargs.get("dtype")
+            model = models.load_model(model, dtype=jnp.float32 if dtype is None else dtype)
         engines = [Engine.from_pretrained(model, mesh=m, **kwargs) for m in replica_meshes(mesh)]
         return cls(engines, router)
 

@@ -2,6 +2,7 @@
 CPU several devices before jax is imported, and the rest of the suite runs on one device).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_worker.py tiny 2,4,8
+    ... sharding_worker.py tiny 2,4,8 engine     # + Engine.from_pretrained(tensor/data_parallel)
 
 Prints one JSON object: per tensor-parallel degree, the largest logit difference against the
 single-device runner and whether the greedy tokens agree.
@@ -127,6 +128,8 @@ def main(argv: list[str]) -> None:
     else:
         tps = [int(x) for x in argv[1].split(",")] if len(argv) > 1 else [2, 4, 8]
         res = run_runner(what, tps)
+        if "engine" in argv[2:]:
+            res["engine"] = run_engine()
     print("RESULT " + json.dumps(res))
 
 

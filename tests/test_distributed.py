@@ -1,5 +1,6 @@
 """Multi-host batch: prefix-aware partition, shares, merge, and a real two-process
-``jax.distributed`` job on localhost (CPU, gloo) whose merged output equals one process's."""
+``jax.distributed`` job on localhost (CPU, gloo; two replicas per process) whose merged output
+equals one process's."""
 
 from __future__ import annotations
 
@@ -165,6 +166,8 @@ def test_two_process_batch_equals_single_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     multi = tmp_path / "multi.jsonl"
     port = _free_port()
+    # two hosts x two replicas (one virtual CPU device each): four prefix-aware shares
+    menv = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [
         subprocess.Popen(
             _batch_cmd(
@@ -178,9 +181,11 @@ def test_two_process_batch_equals_single_process(tmp_path):
                 str(pid),
                 "--distributed-timeout",
                 "60",
+                "--data-parallel",
+                "2",
             ),
             cwd=ROOT,
-            env=env,
+            env=menv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -197,10 +202,12 @@ def test_two_process_batch_equals_single_process(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(x[-2000:] for x in logs)
-    # each process ran a non-empty share
+    # each process ran a non-empty share, split over its two replicas
     assert all("records in shares" in x for x in logs)
     shares = [int(x.split("records in shares")[0].split(":")[-1].split("of")[0]) for x in logs]
     assert all(s > 0 for s in shares) and sum(shares) == 13
+    assert "shares [0, 1]" in logs[0] and "shares [2, 3]" in logs[1]
+    assert "merged 13 records from 4 parts" in logs[0]
 
     def load(p):
         return [json.loads(x) for x in open(p)]
