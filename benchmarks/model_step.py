@@ -9,7 +9,16 @@ measured / floor, and the compile count of a mixed-length serving run after warm
     python -m benchmarks.model_step --quick     # 512-token prefill, batch 1 and 8 only
     python -m benchmarks.model_step --json benchmarks/out/model_step.json
 
-Compile counts are ``ModelRunner.num_compilations`` (one per traced step shape).
+Compile counts are ``ModelRunner.num_compilations`` (one per traced step shape). On CPU a batch
+32 decode step is compute-bound (about 2 x 134M x 32 = 8.6 GFLOP), so its memory floor is loose.
+
+Recorded 2026-11-29 on the 2-core CPU dev box (float32, jnp reference attention) while other
+jobs shared the machine (load average 5-10), so these are pessimistic and noisy:
+
+    bandwidth 23.8 GB/s; prefill 512: 199 tok/s, 2048: 73 tok/s
+    decode ctx 256: b1 6.9 tok/s (145 ms/step, floor 23 ms), b8 41 tok/s (197 ms, floor 27 ms),
+    b32 84 tok/s (382 ms, floor 39 ms); 10 warm-up compiles, 0 new across 24 mixed steps
+    (quieter earlier run: b1 decode 65-87 ms/step, about 2.2x its floor)
 """
 
 from __future__ import annotations
@@ -163,8 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
     bw = numpy_copy_bandwidth()
     wbytes = param_bytes(model.params)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), dtype {args.dtype}")
-    print(f"model: {model.source_path.name}, {model.config.num_params() / 1e6:.1f}M params, ")
-    print(f"  {wbytes / 1e6:.0f} MB of weights, loaded in {load_s:.1f}s")
+    print(
+        f"model: {model.source_path.name}, {model.config.num_params() / 1e6:.1f}M params, "
+        f"{wbytes / 1e6:.0f} MB of weights, loaded in {load_s:.1f}s"
+    )
     print(f"memory bandwidth (numpy copy, read + write): {bw / 1e9:.1f} GB/s")
 
     results: dict = {"dtype": args.dtype, "bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes}
