@@ -599,10 +599,14 @@ class Recorder:
         eng = self.engine
         if label is not None:
             self.label = label
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence)
-            and prompts
-            and not isinstance(prompts[0], str | list | tuple)
+        if (
+            isinstance(prompts, str)
+            or getattr(prompts, "ndim", 0) == 1
+            or (
+                isinstance(prompts, Sequence)
+                and prompts
+                and not isinstance(prompts[0], str | list | tuple)
+            )
         ):
             prompts = [prompts]  # one prompt: a string, token ids or chat messages
         prompts = list(prompts)
@@ -611,9 +615,19 @@ class Recorder:
         else:
             params = list(sampling_params)
         salt = cache_salt if cache_salt is not None else extra
-        ids = [
-            eng.add_request(p, sp, cache_salt=salt) for p, sp in zip(prompts, params, strict=True)
-        ]
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in prompts:
+            eng.encode_prompt(p)  # validate everything before queueing anything
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(eng.add_request(p, sp, cache_salt=salt))
+        except ValueError:
+            for rid in ids:  # e.g. a request too long for the pool: queue none of them
+                eng.abort(rid)
+                eng.get_output(rid)
+            raise
         pending = list(ids)
         while pending:
             eng.step()

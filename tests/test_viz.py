@@ -279,3 +279,19 @@ def test_plot_hit_rates_bar_heights():
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert labels == ["a", "b\npool 50%"]
     plt.close(fig)
+
+
+def test_recorder_rejects_bad_batches_without_leaving_work(engine):
+    from radixkv import SamplingParams
+
+    rng = np.random.default_rng()
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ok = "".join(chr(c) for c in rng.integers(97, 123, 20))
+    too_long = "x" * (engine.num_pages * engine.page_size + 1)
+    rec = viz.Recorder(engine)
+    for bad in ("", too_long):
+        with pytest.raises(ValueError):
+            rec.generate([ok, bad], sp)
+        assert not engine.has_unfinished and not rec.requests
+    outs = rec.generate(ok, sp)  # a single prompt (not a list) works after that
+    assert len(outs) == 1 and outs[0].prompt == ok and len(outs[0].token_ids) == 2
