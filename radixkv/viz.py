@@ -720,6 +720,9 @@ def plot_requests(requests: Sequence[RequestRecord], ax=None):
         fontsize=10,
         loc="left",
     )
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("request (finish order)")
     ax.set_ylabel("prompt tokens")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 0.9))
