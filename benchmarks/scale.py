@@ -218,7 +218,7 @@ def format_rows(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------- real engines
 
 
-def engine_run(replicas: int = 2, groups: int = 8, per_group: int = 6) -> list[dict]:
+def engine_run(replicas: int = 2, groups: int = 16, per_group: int = 8) -> list[dict]:
     """Tiny random model, ``replicas`` engines on their own CPU devices: cache-aware vs
     round-robin (measured engine hit rates and wall time). Runs in a subprocess with
     XLA_FLAGS set (returns its JSON rows)."""
@@ -252,7 +252,7 @@ def _engine_child(replicas: int, groups: int, per_group: int) -> list[dict]:
     reqs = generated_shared_prefix(
         groups,
         per_group,
-        system_len=96,
+        system_len=256,
         question_len=16,
         output_len=8,
         vocab_size=256,
@@ -261,25 +261,31 @@ def _engine_child(replicas: int, groups: int, per_group: int) -> list[dict]:
     )
     prompts = [r.tokens for r in reqs]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    rows = []
-    for router in ("round_robin", "cache_aware"):
-        engines = [
-            Engine.from_pretrained("tiny", mesh=m, num_pages=160, page_size=16, max_batch=8)
-            for m in replica_meshes(make_mesh(1, replicas))
-        ]
-        dp = DataParallelEngine(engines, router)
-        dp.generate(prompts[:2], sp)  # warm up the compiles
+    engines = [
+        Engine.from_pretrained("tiny", mesh=m, num_pages=160, page_size=16, max_batch=8)
+        for m in replica_meshes(make_mesh(1, replicas))
+    ]
+    wave = 16
+
+    def one_pass(router: str) -> tuple[DataParallelEngine, int, int, float]:
         for e in engines:
             e.clear_cache()
+        dp = DataParallelEngine(engines, router)
+        cached = total = 0
         t0 = time.perf_counter()
         # arrive in waves (a server's view): routing sees what earlier waves cached
-        cached = total = 0
-        wave = max(replicas * 2, 4)
         for i in range(0, len(prompts), wave):
             outs = dp.generate(prompts[i : i + wave], sp)
             cached += sum(o.cached_tokens for o in outs)
             total += sum(len(o.prompt_token_ids) for o in outs)
-        wall = time.perf_counter() - t0
+        return dp, cached, total, time.perf_counter() - t0
+
+    routers = ("round_robin", "cache_aware")
+    for router in routers:  # compile every step shape both routings hit (CPU: compiles dominate)
+        one_pass(router)
+    rows = []
+    for router in routers:
+        dp, cached, total, wall = one_pass(router)
         rows.append(
             {
                 "router": router,
@@ -308,6 +314,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decode-weight", type=float, default=0.25)
     ap.add_argument("--balance-weight", type=float, default=1.0)
     ap.add_argument("--engine", action="store_true", help="also run tiny-model engines")
+    ap.add_argument("--engine-replicas", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
     all_w = workloads(a.scale)
@@ -326,7 +333,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print(format_rows(rows))
     if a.engine:
-        er = engine_run()
+        er = engine_run(a.engine_replicas)
         print("\nreal engines (tiny model, CPU; relative figures):")
         for r in er:
             print(
