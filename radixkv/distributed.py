@@ -1,8 +1,10 @@
 """Batch inference over many hosts (``jax.distributed``) and many replicas per host.
 
 ``radixkv batch in.jsonl -o out.jsonl`` with ``--num-processes N --process-id I
---coordinator-address HOST:PORT`` (or ``--multi-host`` on a TPU VM slice, where JAX reads all
-three from the environment) runs as one of N processes:
+--coordinator-address HOST:PORT`` (or the ``RADIXKV_NUM_PROCESSES`` / ``RADIXKV_PROCESS_ID`` /
+``RADIXKV_COORDINATOR_ADDRESS`` environment variables, or ``--multi-host`` on a TPU VM slice,
+where JAX detects all three itself) runs as one of N processes; ``--data-parallel M`` runs M
+engine replicas per process and ``--tensor-parallel T`` shards each over T local devices:
 
 1. ``jax.distributed.initialize`` joins the job (CPU: gloo collectives).
 2. Every process reads the whole input and computes the same deterministic, prefix-aware
@@ -50,14 +52,34 @@ __all__ = [
 # ------------------------------------------------------------------------------------ flags
 
 
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
     """Multi-host / multi-device flags of ``radixkv batch``."""
     g = p.add_argument_group("multi-device / multi-host")
     g.add_argument("--tensor-parallel", type=int, default=1, help="devices per replica (TP)")
     g.add_argument("--data-parallel", type=int, default=1, help="engine replicas per process")
-    g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
-    g.add_argument("--num-processes", type=int, default=None, help="processes in the job")
-    g.add_argument("--process-id", type=int, default=None, help="this process's index")
+    env = os.environ.get
+    g.add_argument(
+        "--coordinator-address",
+        default=env("RADIXKV_COORDINATOR_ADDRESS"),
+        help="HOST:PORT of process 0 (env RADIXKV_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=int,
+        default=_env_int("RADIXKV_NUM_PROCESSES"),
+        help="processes in the job (env RADIXKV_NUM_PROCESSES)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=int,
+        default=_env_int("RADIXKV_PROCESS_ID"),
+        help="this process's index (env RADIXKV_PROCESS_ID)",
+    )
     g.add_argument(
         "--multi-host",
         action="store_true",

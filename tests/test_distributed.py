@@ -218,3 +218,26 @@ def test_two_process_batch_equals_single_process(tmp_path):
     drop = lambda r: {k: v for k, v in r.items() if k != "cached_tokens"}  # noqa: E731
     assert {x["id"]: drop(x) for x in a} == {x["id"]: drop(x) for x in b}
     assert any("error" in x for x in b) and sum("token_ids" in x for x in b) == 12
+
+
+def test_merge_cli_and_env_flags(tmp_path, monkeypatch):
+    import argparse
+
+    from radixkv.distributed import add_distributed_args, main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "p"}) + "\n" for i in range(3)))
+    out = str(tmp_path / "out.jsonl")
+    for k, ids in enumerate((["q2"], ["q0", "q1"])):
+        with open(part_path(out, k, 2), "w") as f:
+            f.writelines(json.dumps({"id": i, "text": i}) + "\n" for i in ids)
+    assert main(["merge", str(inp), "-o", out]) == 0  # finds OUTPUT.part-*-of-*
+    assert [json.loads(x)["id"] for x in open(out)] == ["q0", "q1", "q2"]
+    monkeypatch.setenv("RADIXKV_NUM_PROCESSES", "4")
+    monkeypatch.setenv("RADIXKV_PROCESS_ID", "3")
+    monkeypatch.setenv("RADIXKV_COORDINATOR_ADDRESS", "10.0.0.1:8476")
+    p = argparse.ArgumentParser()
+    add_distributed_args(p)
+    a = p.parse_args([])
+    assert (a.num_processes, a.process_id, a.coordinator_address) == (4, 3, "10.0.0.1:8476")
+    assert wants_distributed(a)
