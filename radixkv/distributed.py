@@ -376,20 +376,23 @@ def run_batch(
         file=sys.stderr,
     )
     _barrier("radixkv-batch-done")
+    rc = max(codes)
     if pid == 0:
         parts = [part_path(args.output, k, num_parts) for k in range(num_parts)]
         absent = [p for p in parts if not os.path.exists(p)]
-        if absent:
+        if absent:  # no shared file system: merge by hand
             print(
                 f"radixkv: parts not visible here ({absent[0]} ...): copy them next to "
-                f"{args.output} and run `python -m radixkv.distributed merge`",
+                f"{args.output} and run `python -m radixkv.distributed merge "
+                f"{args.input} -o {args.output}`",
                 file=sys.stderr,
             )
-            return 3
-        n = merge_outputs(args.input, parts, args.output)
-        print(f"merged {n} records from {num_parts} parts into {args.output}", file=sys.stderr)
-    _barrier("radixkv-batch-merged")
-    return max(codes)
+            rc = rc or 3
+        else:
+            n = merge_outputs(args.input, parts, args.output)
+            print(f"merged {n} records from {num_parts} parts into {args.output}", file=sys.stderr)
+    _barrier("radixkv-batch-merged")  # nobody exits (shutting the job down) before the merge
+    return rc
 
 
 # ------------------------------------------------------------------------------------ merge CLI
