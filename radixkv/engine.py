@@ -279,6 +279,7 @@ class Engine:
         interpret: bool = False,
         seed: int = 0,
         max_kv_tokens: int | None = None,
+        runner_kwargs: dict | None = None,
         **kwargs: Any,
     ) -> Engine:
         """Load a model and build an Engine.
@@ -296,6 +297,8 @@ class Engine:
             policy: "lpm" | "fcfs" | "dfs-weight".
             prefix_cache: False disables the radix-tree cache (for comparisons).
             dtype: compute / KV dtype (default float32).
+            runner_kwargs: extra `models.ModelRunner` arguments (e.g. minimum bucket sizes).
+            Other keyword arguments go to `Engine` (seed, starvation_steps, ...).
         """
         import jax
         import jax.numpy as jnp
@@ -335,6 +338,7 @@ class Engine:
             dtype=dtype,
             attn_impl=attn_impl,
             interpret=interpret,
+            **(runner_kwargs or {}),
         )
         return cls(
             runner,
