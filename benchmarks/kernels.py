@@ -11,6 +11,11 @@ Prints, per (kernel, batch, context), the time per call and the achieved K/V rea
 
 On a GPU the decode target is >= 70% of the measured copy bandwidth at batch 32, context 4k,
 head_dim 128, bf16 (printed as the last line when that point is in the grid).
+
+One-shot check for a session with a GPU (or TPU), correctness first, then speed:
+
+    pytest -q tests/test_kernels_pallas.py -k accelerator
+    python -m benchmarks.kernels --sweep --json benchmarks/out/kernels_gpu.json
 """
 
 from __future__ import annotations
