@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 
 import jax
@@ -261,6 +262,7 @@ def main(argv=None) -> list[dict]:
             bw=bw,
         )
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(dict(device=dev.device_kind, copy_gb_s=bw / 1e9, rows=rows), f, indent=1)
     return rows
