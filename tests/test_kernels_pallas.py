@@ -263,3 +263,18 @@ def test_compiled_kernels_on_accelerator(case_idx):
     _check(jax.jit(lambda *a: rkern(*a, **kw))(qr, *kv, cu, ns), want, dtype)
     _check(jax.jit(lambda *a: rkern(*a, **kw, **small))(qr, *kv, cu, ns), want, dtype)
     _check(pk.ragged_paged_attention(qr, *kv, cu, ns, **kw), want, dtype)  # impl="auto"
+
+
+@pytest.mark.skipif(
+    not hasattr(pltpu, "force_tpu_interpret_mode"), reason="no force_tpu_interpret_mode"
+)
+def test_tpu_kernel_under_force_tpu_interpret_mode():
+    """The compiled TPU path (interpret=False) runs on CPU inside force_tpu_interpret_mode."""
+    rng = np.random.default_rng(17)
+    case = make_paged_case(rng, [29, 3], num_kv_heads=2, head_dim=64, page_size=16)
+    kv = (case.k_pages, case.v_pages, case.kv_lens, case.block_tables)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    with pltpu.force_tpu_interpret_mode(TPU_INTERPRET):
+        out = decode.paged_decode_attention_tpu(q, *kv, interpret=False, pages_per_compute_block=1)
+        out = jax.block_until_ready(out)
+    _check(out, pk.paged_decode_attention(q, *kv, impl="reference"), np.float32)
