@@ -87,5 +87,6 @@ def test_tensor_parallel_tiny_matches_single_device():
 
 
 def test_tensor_parallel_smollm2_matches_single_device():
-    # 9 q heads / 3 kv heads: TP 2 pads, TP 8 replicates kv heads
-    _check(_worker("smollm2", "2,8", timeout=400), [2, 8], 1e-5)
+    # 9 q heads / 3 kv heads: TP 2 pads (kv slots [0, 0] [1, 2]), TP 4 replicates kv head 0
+    # twice, TP 8 replicates every kv head (3 + 3 + 2 copies) and splits its q heads
+    _check(_worker("smollm2", "2,4,8", timeout=400), [2, 4, 8], 2e-5)
