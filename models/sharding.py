@@ -366,7 +366,9 @@ class ShardedModelRunner(ModelRunner):
         self.min_page_bucket = min_page_bucket
         self.max_pages_per_seq = -(-config.max_context // self.page_size)
         self.layout = plan_heads(config.num_heads, config.num_kv_heads, self.tensor_parallel)
-        self._state, self._specs = shard_params(config, params, mesh, dtype=self.dtype)
+        state, self._specs = shard_params(config, params, mesh, dtype=self.dtype)
+        # the step takes the weights as a flat list (cheap to flatten on every call)
+        self._weights, self._weights_def = jax.tree_util.tree_flatten(state)
         self._pool_spec = tuple((P(MODEL), P(MODEL)) for _ in range(config.num_layers))
         self._pool_sharding = NamedSharding(mesh, P(MODEL))
         self.pool: KVPool = self._zero_pool()
@@ -394,7 +396,9 @@ class ShardedModelRunner(ModelRunner):
     def step(self, seqs: Sequence[Any]) -> list[np.ndarray]:
         """As :meth:`ModelRunner.step`."""
         batch = self._pack(seqs)
-        logits, self.pool = self._step_jit(self._state, self.pool, batch["arrays"], batch["decode"])
+        logits, self.pool = self._step_jit(
+            self._weights, self.pool, batch["arrays"], batch["decode"]
+        )
         out = np.asarray(logits)
         return [out[a:b] for a, b in batch["logit_spans"]]
 
@@ -424,7 +428,7 @@ class ShardedModelRunner(ModelRunner):
             "num_seqs": np.zeros(1, np.int32),
             "logit_rows": np.zeros(nb, np.int32),
         }
-        logits, self.pool = self._step_jit(self._state, self.pool, arrays, decode)
+        logits, self.pool = self._step_jit(self._weights, self.pool, arrays, decode)
         logits.block_until_ready()
 
     def reset_pool(self) -> None:
@@ -440,8 +444,9 @@ class ShardedModelRunner(ModelRunner):
         f = shard_map(local, self.mesh, (self._pool_spec, P(), P()), self._pool_spec)
         return f(pool, src, dst)
 
-    def _step_fn(self, state, pool: KVPool, arrays: dict[str, jax.Array], decode_only: bool):
+    def _step_fn(self, weights, pool: KVPool, arrays: dict[str, jax.Array], decode_only: bool):
         self._num_compilations += 1  # runs once per trace, i.e. per compiled shape
+        state = jax.tree_util.tree_unflatten(self._weights_def, weights)
 
         def local(params, pool, arrays):
             return _local_step(
