@@ -169,23 +169,35 @@ def tpu_attend_blocks(
     carry,
     sm_scale: float,
     soft_cap: float | None,
+    start_slot=0,
+    first_started=False,
+    on_last_block=None,
 ):
     """Loop over compute blocks ``[first_block, end_block)`` of one sequence with double buffering.
 
-    ``mask_fn(block) -> (mask [R, bk], v_ok [bk, 1])``. Returns the updated (m, den, acc) carry.
+    ``mask_fn(block) -> (mask [R, bk], v_ok [bk, 1])``. Block ``first_block`` goes to buffer slot
+    ``start_slot``; if ``first_started`` its copy was already started (by a previous grid step).
+    ``on_last_block(free_slot)`` runs while the last block's copy is in flight, so the caller can
+    start the next grid step's first block into the other slot. Returns the (m, den, acc) carry.
     """
     from jax.experimental import pallas as pl
 
-    @pl.when(first_block < end_block)
+    @pl.when(jnp.logical_and(first_block < end_block, jnp.logical_not(first_started)))
     def _():
-        fetch.start(head, table_base, first_block, 0, kv_end)
+        fetch.start(head, table_base, first_block, start_slot, kv_end)
 
     def body(i, c):
-        slot = irem(i - first_block, 2)
+        slot = irem(start_slot + i - first_block, 2)
 
         @pl.when(i + 1 < end_block)
         def _():
             fetch.start(head, table_base, i + 1, 1 - slot, kv_end)
+
+        if on_last_block is not None:
+
+            @pl.when(i + 1 == end_block)
+            def _():
+                on_last_block(1 - slot)
 
         fetch.wait(head, table_base, i, slot, kv_end)
         k = fetch.k_buf[slot]

@@ -3,8 +3,9 @@
 TPU (Mosaic): grid ``(batch, kv_heads)``; lengths and the flattened block tables are
 scalar-prefetched into SMEM; pages stay in HBM and are fetched by async copy into a
 double-buffered VMEM block (``pages_per_compute_block`` pages per block) while the previous block
-is computed; online softmax in float32, matmuls in the input dtype. All ``G`` query heads of a kv
-head are one ``[G, D]`` tile. Blocks outside ``[window start, length)`` are never fetched.
+is computed; the last block of a grid step also starts the next step's first block, so steps do
+not start cold. Online softmax in float32, matmuls in the input dtype. All ``G`` query heads of a
+kv head are one ``[G, D]`` tile. Pages outside ``[window start, length)`` are never fetched.
 
 GPU (Pallas Triton lowering): flash-decoding. Grid ``(batch, kv_heads, k_splits)``; each program
 takes one kv head's query group (padded to >= 16 rows for the tensor cores) and a contiguous
@@ -31,6 +32,7 @@ from pallas_kernels._common import (
     cdiv,
     finalize,
     idiv,
+    irem,
     next_pow2,
     online_softmax_step,
     round_up,
@@ -53,6 +55,7 @@ def _decode_tpu_kernel(
     v_buf,
     k_sems,
     v_sems,
+    state_ref,
     *,
     pages_per_block: int,
     page_size: int,
@@ -60,12 +63,20 @@ def _decode_tpu_kernel(
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    cross_step_prefetch: bool,
 ):
     b = pl.program_id(0)
     h = pl.program_id(1)
+    num_kv_heads = pl.num_programs(1)
+    num_steps = pl.num_programs(0) * num_kv_heads
     bk = pages_per_block * page_size
-    length = lengths_ref[b]
-    lo = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+
+    def block_range(seq):
+        length = lengths_ref[seq]
+        lo = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+        return length, lo, idiv(lo, bk), cdiv(length, bk)
+
+    length, lo, first, end = block_range(b)
     fetch = TpuPageFetcher(
         k_hbm,
         v_hbm,
@@ -86,6 +97,35 @@ def _decode_tpu_kernel(
         col = i * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
         return mask, (col < length) & (col >= lo)
 
+    pipe = {}
+    if cross_step_prefetch:
+        # state_ref (SMEM): [grid step whose first block is already in flight, its slot].
+        step = b * num_kv_heads + h
+
+        @pl.when(step == 0)
+        def _():
+            state_ref[0] = -1
+            state_ref[1] = 0
+
+        started = state_ref[0] == step
+        nxt = step + 1
+        nb = jnp.minimum(idiv(nxt, num_kv_heads), pl.num_programs(0) - 1)
+        nh = irem(nxt, num_kv_heads)
+        n_len, _, n_first, n_end = block_range(nb)
+
+        def on_last_block(free_slot):
+            @pl.when(jnp.logical_and(nxt < num_steps, n_first < n_end))
+            def _():
+                fetch.start(nh, nb * max_pages, n_first, free_slot, n_len)
+                state_ref[0] = nxt
+                state_ref[1] = free_slot
+
+        pipe = dict(
+            start_slot=jnp.where(started, state_ref[1], 0),
+            first_started=started,
+            on_last_block=on_last_block,
+        )
+
     carry = (
         jnp.full((g, 1), NEG_INF, jnp.float32),
         jnp.zeros((g, 1), jnp.float32),
@@ -95,14 +135,15 @@ def _decode_tpu_kernel(
         fetch,
         head=h,
         table_base=b * max_pages,
-        first_block=idiv(lo, bk),
-        end_block=cdiv(length, bk),
+        first_block=first,
+        end_block=end,
         kv_end=length,
         q=q,
         mask_fn=mask_fn,
         carry=carry,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
+        **pipe,
     )
     o_ref[...] = finalize(acc, den).astype(o_ref.dtype)
 
@@ -119,11 +160,16 @@ def paged_decode_attention_tpu(
     sliding_window: int | None = None,
     interpret: Any = False,
     pages_per_compute_block: int | None = None,
+    cross_step_prefetch: bool = True,
 ) -> jax.Array:
     """TPU paged decode attention. Shapes as :func:`pallas_kernels.paged_decode_attention`.
 
     ``interpret``: False to compile for TPU, or a ``pltpu.InterpretParams`` to run the TPU
     interpreter. ``pages_per_compute_block`` defaults to about 512 tokens per block.
+    ``cross_step_prefetch``: the last block of each (sequence, kv head) grid step also starts the
+    next step's first block, so no step waits on a cold copy; this makes the grid sequential
+    ("arbitrary"). False keeps both grid axes "parallel" (megacore chips split them across
+    TensorCores) at the cost of one exposed copy per step.
     """
     from jax.experimental.pallas import tpu as pltpu
 
@@ -147,7 +193,9 @@ def paged_decode_attention_tpu(
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        cross_step_prefetch=cross_step_prefetch,
     )
+    sem = "arbitrary" if cross_step_prefetch else "parallel"
     qspec = pl.BlockSpec((None, None, g, d), lambda i, j, *_: (i, j, 0, 0))
     out = pl.pallas_call(
         kernel,
@@ -165,10 +213,11 @@ def paged_decode_attention_tpu(
                 pltpu.VMEM((2, bk, d), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((2,), jnp.int32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=(sem, sem)),
         interpret=interpret,
         name="radixkv_paged_decode_tpu",
     )(lengths, tables.reshape(-1), q.reshape(b, hkv, g, d), k_pages, v_pages)

@@ -36,7 +36,7 @@ def _check(out, want, dtype, valid_rows=None):
 
 DECODE_CASES = [
     # page_size, head_dim, hkv, g, lens, dtype, soft_cap, window, pages_per_block, k_splits
-    (8, 64, 2, 3, [17, 1, 40, 33, 0], np.float32, None, None, 2, 2),
+    (8, 64, 2, 3, [17, 0, 1, 40, 33, 0], np.float32, None, None, 2, 2),
     (16, 128, 1, 8, [1, 16, 31, 100], jnp.bfloat16, 30.0, None, 1, 4),
     (32, 64, 2, 1, [70, 5], np.float32, None, 9, 1, 2),
     (16, 128, 2, 4, [300, 47], np.float32, 20.0, 70, 2, 4),
@@ -57,7 +57,11 @@ def test_decode_kernel_matches_reference(impl, case_idx):
     want = pk.paged_decode_attention(*args, impl="reference", **kw)
     if impl == "tpu":
         out = decode.paged_decode_attention_tpu(
-            *args, interpret=TPU_INTERPRET, pages_per_compute_block=ppb, **kw
+            *args,
+            interpret=TPU_INTERPRET,
+            pages_per_compute_block=ppb,
+            cross_step_prefetch=case_idx % 2 == 0,
+            **kw,
         )
     else:
         out = decode.paged_decode_attention_gpu(
