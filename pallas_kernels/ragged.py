@@ -11,8 +11,9 @@ window. Rows of different sequences share the online-softmax state harmlessly (a
 another sequence's keys). Padding rows end with an empty softmax and come back as zeros.
 
 TPU: all metadata is scalar-prefetched; KV pages are async-copied into a double-buffered VMEM
-block as in :mod:`pallas_kernels.decode`. GPU (Pallas Triton lowering): pages are gathered with
-a block-table-indexed load per compute block. Both run on CPU in interpret mode.
+block as in :mod:`pallas_kernels.decode`, and the last block of one sequence starts the first
+block of the next sequence of the same query block. GPU (Pallas Triton lowering): pages are
+gathered with a block-table-indexed load per compute block. Both run on CPU in interpret mode.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pallas_kernels._common import (
     cdiv,
     finalize,
     idiv,
+    irem,
     next_pow2,
     online_softmax_step,
     round_up,
@@ -156,18 +158,34 @@ def _ragged_tpu_kernel(
         page_size=page_size,
     )
 
+    num_seqs = kv_lens_ref.shape[0]
+    seq_end = seq_end_ref[qb]
+    geometry = functools.partial(
+        _seq_geometry,
+        qb,
+        cu_ref=cu_ref,
+        kv_lens_ref=kv_lens_ref,
+        row_tok=row_tok,
+        block_q=block_q,
+        block_k=bk,
+        sliding_window=sliding_window,
+    )
+
     def seq_body(seq, carry):
-        first, end, kv_end, mask_fn = _seq_geometry(
-            qb,
-            seq,
-            cu_ref=cu_ref,
-            kv_lens_ref=kv_lens_ref,
-            row_tok=row_tok,
-            block_q=block_q,
-            block_k=bk,
-            sliding_window=sliding_window,
-        )
-        return tpu_attend_blocks(
+        # The last KV block of a sequence also starts the first block of the next sequence in
+        # this query block (into the free slot), so sequences after the first start warm.
+        *attn, start_slot, started = carry
+        first, end, kv_end, mask_fn = geometry(seq)
+        nseq = jnp.minimum(seq + 1, num_seqs - 1)
+        n_first, n_end, n_kv_end, _ = geometry(nseq)
+        prefetch_next = (seq + 1 < seq_end) & (n_first < n_end)
+
+        def on_last_block(free_slot):
+            @pl.when(prefetch_next)
+            def _():
+                fetch.start(h, nseq * max_pages, n_first, free_slot, n_kv_end)
+
+        attn = tpu_attend_blocks(
             fetch,
             head=h,
             table_base=seq * max_pages,
@@ -176,13 +194,20 @@ def _ragged_tpu_kernel(
             kv_end=kv_end,
             q=q,
             mask_fn=mask_fn,
-            carry=carry,
+            carry=tuple(attn),
             sm_scale=sm_scale,
             soft_cap=soft_cap,
+            start_slot=start_slot,
+            first_started=started,
+            on_last_block=on_last_block,
         )
+        nonempty = first < end
+        free_slot = irem(start_slot + end - first, 2)
+        next_slot = jnp.where(nonempty, free_slot, start_slot)
+        return (*attn, next_slot, nonempty & prefetch_next)
 
-    carry = _init_carry(*q.shape)
-    _, den, acc = lax.fori_loop(seq_first_ref[qb], seq_end_ref[qb], seq_body, carry)
+    carry = (*_init_carry(*q.shape), jnp.int32(0), jnp.bool_(False))
+    _, den, acc, _, _ = lax.fori_loop(seq_first_ref[qb], seq_end, seq_body, carry)
     o_ref[...] = finalize(acc, den).astype(o_ref.dtype)
 
 
