@@ -81,7 +81,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     print(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded)'} ...", flush=True)
-    engine = _engine(args, max_num_batched_tokens=args.token_budget)
+    from radixkv.demo import demo_runner_kwargs
+
+    engine = _engine(
+        args,
+        max_num_batched_tokens=args.token_budget,
+        runner_kwargs=demo_runner_kwargs(args.max_batch, args.page_size),
+    )
     print(
         f"loaded in {time.perf_counter() - t0:.1f} s; KV pool: {engine.num_pages} pages x "
         f"{engine.page_size} tokens",
@@ -304,8 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="few-shot + agent workloads, prefix cache on vs off")
     _add_model_args(p)
+    p.set_defaults(max_batch=12)
     p.add_argument("--quick", action="store_true", help="smaller workloads (a quick check)")
-    p.add_argument("--no-warmup", action="store_true", help="time the first (compiling) runs")
+    p.add_argument(
+        "--no-warmup", action="store_true", help="skip compiling step shapes before timing"
+    )
     p.add_argument("--token-budget", type=int, default=512, help="tokens per step")
     p.set_defaults(func=cmd_demo)
 
