@@ -9,8 +9,9 @@ questions), SGLang's generated-shared-prefix, multi-turn chat, agent branching. 
 parent (the next turn / step) run once the parent finished, and their prompt is the parent's
 prompt + the parent's *generated* tokens + the new part, so cache reuse is what a real client gets.
 
-For each workload and mode (fresh pool + tree, one shared model runner, so compiled steps are
-shared): wall time, throughput ((prompt + generated tokens) / wall), mean time to first token,
+Every step shape is compiled before timing (one batch bucket and one block-table width, see
+radixkv.demo.demo_runner_kwargs). For each workload and mode (fresh pool + tree, one shared model
+runner): wall time, throughput ((prompt + generated tokens) / wall), mean time to first token,
 hit rate, prefill tokens computed. The ideal speed-up bound is total prompt tokens / prefill
 tokens computed with the cache on (what a perfectly prefill-bound run would gain); the measured
 speed-up is wall(off) / wall(on).
@@ -25,6 +26,7 @@ import time
 import numpy as np
 
 from benchmarks import workloads as wl
+from radixkv.demo import DEMO_CONTEXT, demo_runner_kwargs
 from radixkv.engine import Engine
 from radixkv.sampling import SamplingParams
 
@@ -37,8 +39,8 @@ def build(name: str, vocab: int, scale: float, seed: int = 0) -> list:
 
     low = 16  # keep clear of special tokens
     if name == "few_shot":
-        return wl.few_shot(
-            n(16), k=5, header_len=16, example_len=64, question_len=24, output_len=4,
+        return wl.few_shot(  # MMLU 5-shot shape: one-token answers
+            n(16), k=5, header_len=16, example_len=120, question_len=100, output_len=1,
             vocab_size=vocab, low=low, seed=seed,
         )  # fmt: skip
     if name == "shared_prefix":
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--policy", default="lpm")
-    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="skip compiling step shapes first")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
 
@@ -147,15 +149,20 @@ def main(argv=None) -> int:
         max_num_batched_tokens=args.token_budget,
         policy=args.policy,
         max_kv_tokens=65536,
+        runner_kwargs=demo_runner_kwargs(args.max_batch, args.page_size),
     )
     print(f"model loaded in {time.perf_counter() - t0:.1f} s; pool {base.num_pages} pages")
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        n = base.runner.warmup(
+            max_tokens=args.token_budget, max_batch=args.max_batch, max_context=DEMO_CONTEXT
+        )
+        print(f"compiled {n} step shapes in {time.perf_counter() - t0:.1f} s", flush=True)
     results = {}
     for name in args.workloads.split(","):
         trace = build(name, base.vocab_size, args.scale)
         res = {}
         for cache in (False, True):
-            if not args.no_warmup:
-                run_trace(fresh(base, cache), trace)
             res["on" if cache else "off"] = run_trace(fresh(base, cache), trace)
         on, off = res["on"], res["off"]
         same = sum(a == b for a, b in zip(on["outputs"], off["outputs"], strict=True))
