@@ -239,3 +239,25 @@ def test_soak_random_requests_cancels_and_step_failures():
             checked += 1
     assert checked > len(outputs) // 4
     assert_drained(eng)
+
+
+def test_stream_text_deltas_respect_stop_strings():
+    rng = np.random.default_rng(11)
+    prompt = toks(rng, 9)
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eng = make()
+    full = eng.generate([prompt], long)[0]
+    k = next(i for i in range(4, 10) if full.text[i : i + 2] not in full.text[: i + 1])
+    stop = full.text[k : k + 2]
+    sp = long.replace(stop=(stop,))
+    want = eng.generate([prompt], sp)[0]
+    assert want.finish_reason == "stop" and want.text == full.text[:k]
+    text, final = "", None
+    for d in eng.stream([prompt], sp):
+        if d.output is None:
+            text += d.text
+            assert stop not in text
+        else:
+            final = d.output
+    assert text == want.text == final.text
+    assert final.outputs[0].stop_reason == stop
