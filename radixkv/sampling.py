@@ -156,34 +156,68 @@ def _bucket(n: int) -> int:
     return b
 
 
-def _sample_row(logits, temp, top_k, top_p, min_p, seed, sub, index):
+_BISECT_STEPS = 32
+
+
+def _kth_largest(x, k):
+    """A threshold t with count(x >= t) >= k, as large as bisection finds (no sort)."""
+    lo = jnp.min(jnp.where(jnp.isfinite(x), x, jnp.inf))  # masked (-inf) logits excluded
+    hi = jnp.max(x)
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = (lo + hi) * 0.5
+        ok = jnp.sum(x >= mid) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
+    return lo
+
+
+def _nucleus_threshold(probs, top_p):
+    """Largest t (by bisection) whose kept mass sum(probs[probs >= t]) is still >= top_p."""
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = (lo + hi) * 0.5
+        ok = jnp.sum(jnp.where(probs >= mid, probs, 0.0)) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, body, (jnp.float32(0.0), jnp.max(probs)))
+    return lo
+
+
+def _sample_row(logits, temp, top_k, top_p, min_p, seed, sub, index, *, use_k, use_p, use_min_p):
     vocab = logits.shape[-1]
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sub), index)
     greedy_tok = jnp.argmax(logits)
     t = jnp.where(temp > 0, temp, 1.0)
-    scaled = logits / t
-    order = jnp.argsort(-scaled)
-    s = scaled[order]
-    ranks = jnp.arange(vocab)
-    k = jnp.where(top_k > 0, top_k, vocab)
-    keep = ranks < k
-    s = jnp.where(keep, s, -jnp.inf)
-    probs = jax.nn.softmax(s)
-    # top_p: keep a token if the probability mass strictly before it is < top_p (the first always).
-    before = jnp.cumsum(probs) - probs
-    keep = keep & ((before < top_p) | (ranks == 0))
-    # min_p relative to the most likely token.
-    keep = keep & ((probs >= min_p * probs[0]) | (ranks == 0))
+    s = logits / t
+    keep = jnp.ones((vocab,), dtype=bool)
+    if use_k:  # top-k: values >= the k-th largest (ties may keep a few more)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        keep = s >= _kth_largest(s, k)
+    if use_p or use_min_p:
+        z = jnp.where(keep, s, -jnp.inf)
+        probs = jax.nn.softmax(z)
+        if use_p:  # nucleus: the most likely tokens until their mass reaches top_p
+            keep = keep & ((probs >= _nucleus_threshold(probs, top_p)) | (top_p >= 1.0))
+        if use_min_p:
+            keep = keep & (probs >= min_p * jnp.max(probs))
+    keep = keep | (jnp.arange(vocab) == greedy_tok)  # the top token always stays
     s = jnp.where(keep, s, -jnp.inf)
     gumbel = jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
-    choice = order[jnp.argmax(s + gumbel)]
+    choice = jnp.argmax(s + gumbel)
     return jnp.where(temp > 0, choice, greedy_tok).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("want_logprobs",))
-def _sample_jit(logits, temp, top_k, top_p, min_p, seed, sub, index, *, want_logprobs: bool):
+@partial(jax.jit, static_argnames=("want_logprobs", "use_k", "use_p", "use_min_p"))
+def _sample_jit(
+    logits, temp, top_k, top_p, min_p, seed, sub, index, *, want_logprobs, use_k, use_p, use_min_p
+):
     logits = logits.astype(jnp.float32)
-    toks = jax.vmap(_sample_row)(logits, temp, top_k, top_p, min_p, seed, sub, index)
+    row = partial(_sample_row, use_k=use_k, use_p=use_p, use_min_p=use_min_p)
+    toks = jax.vmap(row)(logits, temp, top_k, top_p, min_p, seed, sub, index)
     if not want_logprobs:
         return toks, None, None, None
     lp = jax.nn.log_softmax(logits, axis=-1)
@@ -212,7 +246,9 @@ def sample_batch(
         want_logprobs: compute logprobs (default: when any row asks for them).
 
     Greedy-only batches without logprobs take a host argmax (no device call). Other batches are
-    padded to a power-of-two row count and go through one jitted call.
+    padded to a power-of-two row count and go through one jitted call. Top-k / top-p use
+    bisection thresholds instead of sorting the vocabulary (a full sort per row costs more than
+    the model's decode step on a CPU); filters no row asks for are compiled out.
     """
     logits = np.asarray(logits, dtype=np.float32)
     b = logits.shape[0]
@@ -238,6 +274,9 @@ def sample_batch(
         col(subs, np.int32),
         col(indices, np.int32),
         want_logprobs=bool(want_logprobs),
+        use_k=any(p.top_k > 0 and not p.greedy for p in params),
+        use_p=any(p.top_p < 1.0 and not p.greedy for p in params),
+        use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
     )
     toks = np.asarray(toks)[:b]
     if not want_logprobs:

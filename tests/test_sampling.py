@@ -113,3 +113,22 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_allclose(res.logprobs, ref[np.arange(3), res.tokens], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(res.top_ids[:, 0], lg.argmax(-1))
     np.testing.assert_allclose(res.top_logprobs[:, 0], ref.max(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_filters_handle_masked_logits_and_mixed_rows():
+    rng = np.random.default_rng(5)
+    lg = _logits(rng, 4, v=40)
+    lg[:, 20:] = -np.inf  # e.g. a masked vocabulary tail
+    params = [
+        SamplingParams(temperature=1.0, top_k=3, seed=1),
+        SamplingParams(temperature=1.0, seed=2),  # no filter in a filtering batch
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.5, top_p=0.8, seed=3),
+    ]
+    for i in range(20):
+        res = sample_batch(lg, params, [1, 2, 3, 4], [0] * 4, [i] * 4)
+        assert (res.tokens < 20).all()
+        assert res.tokens[0] in np.argsort(-lg[0])[:3]
+        assert res.tokens[2] == lg[2].argmax()
+        p3 = np.exp(lg[3] - lg[3].max())
+        assert p3[res.tokens[3]] >= 0.5 * p3.max() - 1e-6
