@@ -154,9 +154,7 @@ def main(argv=None) -> int:
     print(f"model loaded in {time.perf_counter() - t0:.1f} s; pool {base.num_pages} pages")
     if not args.no_warmup:
         t0 = time.perf_counter()
-        n = base.runner.warmup(
-            max_tokens=args.token_budget, max_batch=args.max_batch, max_context=DEMO_CONTEXT
-        )
+        n = base.warmup(max_context=DEMO_CONTEXT)
         print(f"compiled {n} step shapes in {time.perf_counter() - t0:.1f} s", flush=True)
     results = {}
     for name in args.workloads.split(","):

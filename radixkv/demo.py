@@ -178,15 +178,10 @@ def run_demo(
         "agent": lambda e: run_agent(e, **agent_kw),
     }
     rows: list[DemoRow] = []
-    if warmup and hasattr(engine.runner, "warmup"):
+    if warmup:
         # compile every step shape up front so that no timed run pays for compilation
         t0 = time.perf_counter()
-        sch = engine.scheduler
-        n = engine.runner.warmup(
-            max_tokens=sch.max_num_batched_tokens,
-            max_batch=sch.max_batch,
-            max_context=DEMO_CONTEXT,
-        )
+        n = engine.warmup(max_context=DEMO_CONTEXT)
         log(f"  compiled {n} step shapes in {time.perf_counter() - t0:.1f} s")
     for name, fn in workloads.items():
         for cache in (False, True):

@@ -822,6 +822,28 @@ class Engine:
         msgs = [{"role": "system", "content": system}] if system else []
         return Session(self, messages=msgs, cache_salt=cache_salt)
 
+    def warmup(self, *, max_context: int | None = None) -> int:
+        """Compile the model-step shapes serving can hit (up to `max_context` tokens per
+        sequence) and the sampler's batch buckets, so later steps never compile. Returns the
+        number of model-step compilations. Cost grows with the runner's bucket counts."""
+        sch = self.scheduler
+        n = 0
+        if hasattr(self.runner, "warmup"):
+            n = self.runner.warmup(
+                max_tokens=sch.max_num_batched_tokens,
+                max_batch=sch.max_batch,
+                max_context=max_context or self.runner.max_context,
+            )
+        rng = np.random.default_rng(0)
+        b = 1
+        while True:
+            logits = rng.normal(size=(b, self.vocab_size)).astype(np.float32)
+            sample_batch(logits, [SamplingParams(temperature=1.0)] * b, [0] * b, [0] * b, [0] * b)
+            if b >= sch.max_batch:
+                break
+            b *= 2
+        return n
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> Stats:

@@ -96,8 +96,10 @@ def test_batch_orders_resumes_and_survives_bad_records(tmp_path):
 
 
 def test_demo_on_tiny_model(capsys):
-    assert main(["demo", "--quick", "--no-warmup", *TINY]) == 0
-    rows = _table_rows(capsys.readouterr().out)
+    assert main(["demo", "--quick", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"compiled \d+ step shapes", out)
+    rows = _table_rows(out)
     assert set(rows) == {(w, c) for w in ("few-shot", "agent") for c in ("on", "off")}
     for w in ("few-shot", "agent"):
         off, on = rows[(w, "off")], rows[(w, "on")]
