@@ -238,3 +238,14 @@ class NaiveTree:
             for p in e.pages:
                 out[p] = out.get(p, 0) + 1
         return out
+
+
+def assert_refcounts_exact(eng):
+    """Each page's reference count == block tables holding it + tree nodes holding it."""
+    held = np.zeros(eng.num_pages, dtype=np.int64)
+    for r in eng.scheduler.running:
+        np.add.at(held, np.asarray(r.pages, dtype=np.int64), 1)
+    for node in eng.tree.nodes():
+        np.add.at(held, np.asarray(node.pages, dtype=np.int64), 1)
+    rc = np.array([eng.pool.refcount(p) for p in range(eng.num_pages)])
+    np.testing.assert_array_equal(rc, held)

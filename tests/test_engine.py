@@ -4,6 +4,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from engine_fakes import assert_refcounts_exact
 
 from radixkv.engine import Engine, InvalidPrompt, Session
 from radixkv.sampling import InvalidSamplingParams, SamplingParams
@@ -42,6 +43,8 @@ def ids(rng, n):
 
 def assert_drained(eng):
     assert not eng.scheduler.running and not eng.scheduler.waiting
+    assert_refcounts_exact(eng)
+    assert all(node.lock == 0 for node in eng.tree.nodes())
     for p in range(eng.num_pages):
         assert eng.pool.refcount(p) in (0, 1)
     assert eng.pool.num_used == eng.tree.cached_pages
@@ -300,6 +303,8 @@ def test_soak_tiny_model_with_cancels_and_failures(runner_engine):
         if live and rng.random() < 0.1:
             eng.abort(live[int(rng.integers(len(live)))])
         eng.step()
+        if eng.counters.steps % 10 == 0:
+            assert_refcounts_exact(eng)
         for r in [r for r in rids if r not in outs and eng._groups[r].finished]:
             outs[r] = eng.get_output(r)
     assert set(outs) == set(rids)
