@@ -172,7 +172,7 @@ def run_demo(
     n_fs, k = (4, 2) if quick else (12, 8)
     fs_prompts = few_shot_prompts(n_fs, k=k)
     fs_sp = SamplingParams(max_tokens=3 if quick else 4, temperature=0.0, ignore_eos=True)
-    agent_kw = dict(num_tasks=2, steps=2, max_tokens=6) if quick else dict(num_tasks=3, steps=3)
+    agent_kw = dict(num_tasks=2, steps=2, max_tokens=6) if quick else dict(num_tasks=4, steps=3)
     workloads = {
         "few-shot": lambda e: e.generate(fs_prompts, fs_sp),
         "agent": lambda e: run_agent(e, **agent_kw),
