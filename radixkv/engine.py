@@ -507,10 +507,11 @@ class Engine:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
             return list(self.runner.step(inputs))
-        except Exception:
+        except Exception as e:
             self.counters.step_failures += 1
             if len(batch) == 1:
-                return self._run_one_failed(batch[0], inputs[0])
+                self._fail(batch[0].request, e)
+                return [None]
         # isolate: retry each sequence alone; only the ones that fail again are failed
         out: list[np.ndarray | None] = []
         for seq, inp in zip(batch, inputs, strict=True):
@@ -522,12 +523,6 @@ class Engine:
                 self._fail(seq.request, e)
                 out.append(None)
         return out
-
-    def _run_one_failed(self, seq: ScheduledSeq, inp) -> list[None]:
-        import sys
-
-        self._fail(seq.request, sys.exc_info()[1] or RuntimeError("step failed"))
-        return [None]
 
     def _fail(self, req: Request, error: BaseException) -> None:
         self.scheduler.fail(req, error)
