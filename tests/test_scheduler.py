@@ -265,3 +265,25 @@ def test_stream_text_deltas_respect_stop_strings():
             final = d.output
     assert text == want.text == final.text
     assert final.outputs[0].stop_reason == stop
+
+
+def test_chunked_prefill_mixes_with_decodes_under_the_token_budget():
+    rng = np.random.default_rng(12)
+    long_p, short_p = toks(rng, 101), toks(rng, 5)
+    eng = make(num_pages=64, max_num_batched_tokens=16)
+    seen = []
+    orig = eng.runner.step
+
+    def spy(seqs):
+        seen.append([len(s.token_ids) for s in seqs])
+        return orig(seqs)
+
+    eng.runner.step = spy
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = eng.generate([short_p, long_p], sp)
+    want = [reference_greedy(p, 8, vocab_size=V) for p in (short_p, long_p)]
+    assert [o.token_ids for o in outs] == want
+    assert all(sum(s) <= 16 for s in seen)
+    # while the long prompt is chunked, the short request keeps decoding in the same steps
+    assert any(len(s) == 2 and 1 in s and max(s) > 1 for s in seen)
+    assert eng.stats().prefill_tokens_computed == 106
