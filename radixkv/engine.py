@@ -280,6 +280,9 @@ class Engine:
         seed: int = 0,
         max_kv_tokens: int | None = None,
         runner_kwargs: dict | None = None,
+        mesh: Any = None,
+        tensor_parallel: int | None = None,
+        data_parallel: int | None = None,
         **kwargs: Any,
     ) -> Engine:
         """Load a model and build an Engine.
@@ -298,8 +301,19 @@ class Engine:
             prefix_cache: False disables the radix-tree cache (for comparisons).
             dtype: compute / KV dtype (default float32).
             runner_kwargs: extra `models.ModelRunner` arguments (e.g. minimum bucket sizes).
+            mesh, tensor_parallel, data_parallel: multi-device serving (models.sharding): a
+                (data, model) jax Mesh, or the two sizes (over the local devices). Tensor
+                parallelism shards the model and the KV pool over the model axis; with more
+                than one data row this returns a radixkv.router.DataParallelEngine (one engine
+                per row behind a cache-aware router).
             Other keyword arguments go to `Engine` (seed, starvation_steps, ...).
         """
+        call_args = dict(locals())  # forwarded to the data-parallel replicas
+        if (data_parallel or 1) > 1 or (mesh is not None and dict(mesh.shape).get("data", 1) > 1):
+            from radixkv.router import DataParallelEngine
+
+            fwd = {k: v for k, v in call_args.items() if k not in ("cls", "kwargs")}
+            return DataParallelEngine.from_pretrained(**fwd, **kwargs)
         import jax
         import jax.numpy as jnp
 
@@ -330,9 +344,7 @@ class Engine:
             avail = int(_available_memory_bytes() * kv_memory_fraction)
             tokens = max(page_size * 4, min(avail // bytes_per_token, cap_tokens))
             num_pages = max(4, tokens // page_size)
-        runner = models.ModelRunner(
-            config,
-            params,
+        runner_kw = dict(
             num_pages=num_pages,
             page_size=page_size,
             dtype=dtype,
@@ -340,6 +352,13 @@ class Engine:
             interpret=interpret,
             **(runner_kwargs or {}),
         )
+        if mesh is not None or (tensor_parallel or 1) > 1:
+            from models.sharding import ShardedModelRunner, make_mesh
+
+            mesh = mesh if mesh is not None else make_mesh(tensor_parallel)
+            runner = ShardedModelRunner(config, params, mesh=mesh, **runner_kw)
+        else:
+            runner = models.ModelRunner(config, params, **runner_kw)
         return cls(
             runner,
             tokenizer,
