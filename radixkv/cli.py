@@ -188,10 +188,14 @@ def _read_done_ids(path: str) -> set[str]:
     return done
 
 
-def cmd_batch(args: argparse.Namespace) -> int:
+def cmd_batch(args: argparse.Namespace, engine=None) -> int:
     from tqdm import tqdm
 
-    engine = _engine(args)
+    from radixkv import distributed
+
+    if engine is None and distributed.wants_distributed(args):
+        return distributed.run_batch(args)  # several processes / replicas / devices
+    engine = engine if engine is not None else _engine(args)
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     done = _read_done_ids(args.output)
     # a partial last line (interrupted run) would corrupt the next record: end it
@@ -340,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, help="default max_tokens per record")
     p.add_argument("--temperature", type=float, default=0.0, help="default temperature")
     p.add_argument("--no-progress", action="store_true")
+    from radixkv.distributed import add_distributed_args
+
+    add_distributed_args(p)
     p.set_defaults(func=cmd_batch)
     return parser
 
