@@ -135,17 +135,6 @@ def _batch_cmd(inp, out, *extra):
     ]
 
 
-def _cli_has_distributed_flags() -> bool:
-    from radixkv import cli
-
-    try:
-        cli.build_parser().parse_args(["batch", "x", "-o", "y", "--num-processes", "2"])
-    except SystemExit:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _cli_has_distributed_flags(), reason="radixkv batch lacks the flags")
 def test_two_process_batch_equals_single_process(tmp_path):
     rng = np.random.default_rng(7)
     systems = ["System A: answer briefly. ", "System B: another preamble, longer. ", "Q: "]

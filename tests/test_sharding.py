@@ -3,7 +3,6 @@ subprocess with 8 virtual CPU devices (the rest of the suite stays on one device
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -65,25 +64,17 @@ def _check(res: dict, tps: list[int], rtol: float) -> None:
         assert r["pool_shard_shape"][1:] == r["pool_shape"][1:]
 
 
-def _engine_has_tp() -> bool:
-    from radixkv.engine import Engine
-
-    return "tensor_parallel" in inspect.signature(Engine.from_pretrained).parameters
-
-
 def test_tensor_parallel_tiny_matches_single_device():
-    with_engine = _engine_has_tp()
-    res = _worker("tiny", "2,4,8", *(["engine"] if with_engine else []))
+    res = _worker("tiny", "2,4,8", "engine")
     _check(res, [2, 4, 8], 1e-5)
-    if with_engine:
-        e = res["engine"]
-        # Engine.from_pretrained(tensor_parallel=4): same greedy generations
-        assert e["tp_runner"] == "ShardedModelRunner" and e["tp_equal"], e
-        # tensor_parallel=2 x data_parallel=2: a DataParallelEngine, same generations, and the
-        # prompts sharing a prefix were served partly from the replicas' caches
-        assert e["dp_is_data_parallel"] and e["dp_equal"], e
-        assert set(e["dp_routes"]) == {0, 1}
-        assert sum(e["dp_cached"]) > 0
+    e = res["engine"]
+    # Engine.from_pretrained(tensor_parallel=4): same greedy generations
+    assert e["tp_runner"] == "ShardedModelRunner" and e["tp_equal"], e
+    # tensor_parallel=2 x data_parallel=2: a DataParallelEngine, same generations, and the
+    # prompts sharing a prefix were served partly from the replicas' caches
+    assert e["dp_is_data_parallel"] and e["dp_equal"], e
+    assert set(e["dp_routes"]) == {0, 1}
+    assert sum(e["dp_cached"]) > 0
 
 
 def test_tensor_parallel_smollm2_matches_single_device():
