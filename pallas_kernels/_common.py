@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -60,6 +62,58 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
         (((1,), (0,)), ((), ())),
         precision=prec,
         preferred_element_type=jnp.float32,
+    )
+
+
+class AttnShapes(NamedTuple):
+    """Static sizes of one paged-attention call (see :func:`attn_shapes`)."""
+
+    n: int  # query rows: batch (decode) or packed tokens (ragged)
+    hq: int
+    d: int
+    hkv: int
+    num_pages: int
+    page_size: int
+    g: int  # query heads per kv head
+    sm_scale: float
+
+
+def attn_shapes(q: jax.Array, k_pages: jax.Array, sm_scale: float | None) -> AttnShapes:
+    """Sizes from q ``[N, Hq, D]`` and pages ``[Hkv, P, S, D]``; ``sm_scale`` defaults to
+    ``D ** -0.5``."""
+    n, hq, d = q.shape
+    hkv, num_pages, page_size, _ = k_pages.shape
+    if sm_scale is None:
+        sm_scale = d**-0.5
+    return AttnShapes(n, hq, d, hkv, num_pages, page_size, hq // hkv, sm_scale)
+
+
+def pad_block_tables(block_tables: jax.Array, multiple: int) -> tuple[jax.Array, int]:
+    """int32 block tables with the page axis zero-padded to a multiple; returns (tables, width)."""
+    m = block_tables.shape[1]
+    m_pad = round_up(m, multiple)
+    return jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m))), m_pad
+
+
+def gpu_pages_per_block(max_pages: int, page_size: int) -> int:
+    """Default Triton compute block: ~64 tokens, a power of two, and >= 16 tokens."""
+    min_ppb = next_pow2(cdiv(16, page_size))  # Triton dots need >= 16 tokens per block
+    return max(min_ppb, min(next_pow2(max_pages), max(1, 64 // page_size)))
+
+
+def check_pow2(**sizes: int) -> None:
+    """Raise ValueError unless every size is a power of two (Triton block sizes)."""
+    for name, val in sizes.items():
+        if val & (val - 1):
+            raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
+
+
+def init_softmax_carry(rows: int, d: int):
+    """Empty online-softmax state: running max, denominator ``[rows, 1]`` and acc ``[rows, d]``."""
+    return (
+        jnp.full((rows, 1), NEG_INF, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
     )
 
 

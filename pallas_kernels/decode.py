@@ -27,17 +27,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    NEG_INF,
     TpuPageFetcher,
+    attn_shapes,
     cdiv,
+    check_pow2,
     finalize,
+    gpu_pages_per_block,
     idiv,
+    init_softmax_carry,
     irem,
     next_pow2,
     online_softmax_step,
-    round_up,
+    pad_block_tables,
     tpu_attend_blocks,
 )
+
+
+def _window_masks(start, rows: int, bk: int, lo, length):
+    """Masks for the kv block at positions ``[start, start + bk)``: only ``lo <= pos < length``.
+
+    Returns ``(mask [rows, bk], v_ok [bk, 1])`` as :func:`online_softmax_step` takes them.
+    """
+    pos = start + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+    col = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    return (pos < length) & (pos >= lo), (col < length) & (col >= lo)
+
 
 # --------------------------------------------------------------------------------------------
 # TPU
@@ -92,10 +106,7 @@ def _decode_tpu_kernel(
     g, d = q.shape
 
     def mask_fn(i):
-        pos = i * bk + lax.broadcasted_iota(jnp.int32, (g, bk), 1)
-        mask = (pos < length) & (pos >= lo)
-        col = i * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        return mask, (col < length) & (col >= lo)
+        return _window_masks(i * bk, g, bk, lo, length)
 
     pipe = {}
     if cross_step_prefetch:
@@ -126,11 +137,6 @@ def _decode_tpu_kernel(
             on_last_block=on_last_block,
         )
 
-    carry = (
-        jnp.full((g, 1), NEG_INF, jnp.float32),
-        jnp.zeros((g, 1), jnp.float32),
-        jnp.zeros((g, d), jnp.float32),
-    )
     _, den, acc = tpu_attend_blocks(
         fetch,
         head=h,
@@ -140,7 +146,7 @@ def _decode_tpu_kernel(
         kv_end=length,
         q=q,
         mask_fn=mask_fn,
-        carry=carry,
+        carry=init_softmax_carry(g, d),
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         **pipe,
@@ -174,15 +180,10 @@ def paged_decode_attention_tpu(
     from jax.experimental.pallas import tpu as pltpu
 
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    b, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
-    g = hq // hkv
-    if sm_scale is None:
-        sm_scale = d**-0.5
+    b, hq, d, hkv, _, page_size, g, sm_scale = attn_shapes(q, k_pages, sm_scale)
     m = block_tables.shape[1]
     ppb = pages_per_compute_block or max(1, min(m, 512 // page_size))
-    m_pad = round_up(m, ppb)
-    tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
+    tables, m_pad = pad_block_tables(block_tables, ppb)
     lengths = jnp.asarray(lengths, jnp.int32)
     bk = ppb * page_size
     kernel = functools.partial(
@@ -263,20 +264,12 @@ def _decode_gpu_kernel(
         pages = tables_ref[pl.ds(p0, ppb)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
-        pos = p0 * s + lax.broadcasted_iota(jnp.int32, (gp, bk), 1)
-        mask = (pos < length) & (pos >= lo)
-        col = p0 * s + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        v_ok = (col < length) & (col >= lo)
+        mask, v_ok = _window_masks(p0 * s, gp, bk, lo, length)
         return online_softmax_step(
             q, k, v, mask, v_ok, *carry, sm_scale=sm_scale, soft_cap=soft_cap
         )
 
-    carry = (
-        jnp.full((gp, 1), NEG_INF, jnp.float32),
-        jnp.zeros((gp, 1), jnp.float32),
-        jnp.zeros((gp, d), jnp.float32),
-    )
-    m, den, acc = lax.fori_loop(first, end, body, carry)
+    m, den, acc = lax.fori_loop(first, end, body, init_softmax_carry(gp, d))
     o_ref[...] = acc
     m_ref[...] = m[:, 0]
     l_ref[...] = den[:, 0]
@@ -359,8 +352,7 @@ def merge_partials(acc: jax.Array, m: jax.Array, den: jax.Array, axis: int) -> j
 
 def gpu_decode_config(batch: int, hkv: int, max_pages: int, page_size: int) -> tuple[int, int]:
     """Default (pages_per_block, k_splits): ~64-token blocks, >= ~512 programs in the grid."""
-    min_ppb = next_pow2(cdiv(16, page_size))  # Triton dots need >= 16 tokens per block
-    ppb = max(min_ppb, min(next_pow2(max_pages), max(1, 64 // page_size)))
+    ppb = gpu_pages_per_block(max_pages, page_size)
     n_blocks = cdiv(max_pages, ppb)
     want = cdiv(512, max(1, batch * hkv))
     k_splits = max(1, min(n_blocks, next_pow2(want)))
@@ -390,22 +382,14 @@ def paged_decode_attention_gpu(
     be a power of two; ``k_splits`` is the number of programs sharing one sequence.
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    b, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
-    g = hq // hkv
-    if sm_scale is None:
-        sm_scale = d**-0.5
-    m = block_tables.shape[1]
-    ppb, splits = gpu_decode_config(b, hkv, m, page_size)
+    b, hq, d, hkv, _, page_size, g, sm_scale = attn_shapes(q, k_pages, sm_scale)
+    ppb, splits = gpu_decode_config(b, hkv, block_tables.shape[1], page_size)
     ppb = pages_per_compute_block or ppb
     splits = k_splits or splits
-    for name, val in (("pages_per_compute_block", ppb), ("page_size", page_size)):
-        if val & (val - 1):
-            raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
+    check_pow2(pages_per_compute_block=ppb, page_size=page_size)
     if not interpret and ppb * page_size < 16:
         raise ValueError("Triton dots need >= 16 tokens per compute block; raise pages_per_block")
-    m_pad = round_up(m, ppb * splits)
-    tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
+    tables, _ = pad_block_tables(block_tables, ppb * splits)
     gp = max(16, next_pow2(g))
     q4 = q.reshape(b, hkv, g, d)
     if gp != g:

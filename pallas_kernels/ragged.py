@@ -27,14 +27,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    NEG_INF,
     TpuPageFetcher,
+    attn_shapes,
     cdiv,
+    check_pow2,
     finalize,
+    gpu_pages_per_block,
     idiv,
+    init_softmax_carry,
     irem,
     next_pow2,
     online_softmax_step,
+    pad_block_tables,
     round_up,
     tpu_attend_blocks,
 )
@@ -102,14 +106,6 @@ def _seq_geometry(
     first = idiv(kv_lo, block_k)
     last = jnp.where(r_hi > r_lo, cdiv(jnp.maximum(kv_end, 0), block_k), first)
     return first, last, kv_end, mask_fn
-
-
-def _init_carry(rows: int, d: int):
-    return (
-        jnp.full((rows, 1), NEG_INF, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, d), jnp.float32),
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,7 +202,7 @@ def _ragged_tpu_kernel(
         next_slot = jnp.where(nonempty, free_slot, start_slot)
         return (*attn, next_slot, nonempty & prefetch_next)
 
-    carry = (*_init_carry(*q.shape), jnp.int32(0), jnp.bool_(False))
+    carry = (*init_softmax_carry(*q.shape), jnp.int32(0), jnp.bool_(False))
     _, den, acc, _, _ = lax.fori_loop(seq_first_ref[qb], seq_end, seq_body, carry)
     o_ref[...] = finalize(acc, den).astype(o_ref.dtype)
 
@@ -236,18 +232,13 @@ def ragged_paged_attention_tpu(
     from jax.experimental.pallas import tpu as pltpu
 
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    t, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
-    g = hq // hkv
-    if sm_scale is None:
-        sm_scale = d**-0.5
+    t, hq, d, hkv, _, page_size, g, sm_scale = attn_shapes(q, k_pages, sm_scale)
     bq = block_q or 32
     if bq % 8:
         raise ValueError(f"block_q must be a multiple of 8 on TPU, got {bq}")
     m = block_tables.shape[1]
     ppb = pages_per_compute_block or max(1, min(m, 256 // page_size))
-    m_pad = round_up(m, ppb)
-    tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
+    tables, m_pad = pad_block_tables(block_tables, ppb)
     q_rows, cu, seq_first, seq_end, row_tok, nqb = _prepare(q, cu_q_lens, num_seqs, hkv, bq, g)
     rows = bq * g
     kernel = functools.partial(
@@ -357,7 +348,7 @@ def _ragged_gpu_kernel(
 
         return lax.fori_loop(first, end, kv_body, carry)
 
-    carry = _init_carry(rows, d)
+    carry = init_softmax_carry(rows, d)
     _, den, acc = lax.fori_loop(seq_first_ref[qb], seq_end_ref[qb], seq_body, carry)
     o_ref[...] = finalize(acc, den).astype(o_ref.dtype)
 
@@ -388,23 +379,14 @@ def ragged_paged_attention_gpu(
     from jax.experimental.pallas import triton as plgpu
 
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    t, hq, d = q.shape
-    hkv, p, page_size, _ = k_pages.shape
-    g = hq // hkv
+    t, hq, d, hkv, p, page_size, g, sm_scale = attn_shapes(q, k_pages, sm_scale)
     gp = next_pow2(g)
-    if sm_scale is None:
-        sm_scale = d**-0.5
     bq = block_q or max(16, 64 // gp)
-    m = block_tables.shape[1]
-    min_ppb = next_pow2(cdiv(16, page_size))  # Triton dots need >= 16 tokens per block
-    ppb = pages_per_compute_block or max(min_ppb, min(next_pow2(m), max(1, 64 // page_size)))
-    for name, val in (("block_q", bq), ("pages_per_compute_block", ppb), ("page_size", page_size)):
-        if val & (val - 1):
-            raise ValueError(f"{name} must be a power of two for the Triton kernel, got {val}")
+    ppb = pages_per_compute_block or gpu_pages_per_block(block_tables.shape[1], page_size)
+    check_pow2(block_q=bq, pages_per_compute_block=ppb, page_size=page_size)
     if not interpret and (ppb * page_size < 16 or bq * gp < 16):
         raise ValueError("Triton dots need >= 16 rows and >= 16 tokens per compute block")
-    m_pad = round_up(m, ppb)
-    tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, m_pad - m)))
+    tables, _ = pad_block_tables(block_tables, ppb)
     q_rows, cu, seq_first, seq_end, row_tok, nqb = _prepare(q, cu_q_lens, num_seqs, hkv, bq, gp)
     rows = bq * gp
     kv_lens = jnp.asarray(kv_lens, jnp.int32)

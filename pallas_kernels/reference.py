@@ -30,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import attn_shapes
+
 _NEG_INF = -1e30  # finite "minus infinity": keeps fully masked rows free of NaN
 
 
@@ -87,11 +89,7 @@ def paged_decode_attention_reference(
 ) -> jax.Array:
     """One query per sequence. q [B, Hq, D] -> [B, Hq, D]; length-0 rows give zeros."""
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    b, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
-    g = hq // hkv
-    if sm_scale is None:
-        sm_scale = d**-0.5
+    _, hq, d, hkv, _, page_size, g, sm_scale = attn_shapes(q, k_pages, sm_scale)
     max_len = block_tables.shape[1] * page_size
     pos = jnp.arange(max_len, dtype=jnp.int32)
 
@@ -129,11 +127,7 @@ def ragged_paged_attention_reference(
     are padding and give zeros. Loops over sequences and, within one, over windows of rows.
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    t, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
-    g = hq // hkv
-    if sm_scale is None:
-        sm_scale = d**-0.5
+    t, hq, d, hkv, _, page_size, g, sm_scale = attn_shapes(q, k_pages, sm_scale)
     max_len = block_tables.shape[1] * page_size
     kv_pos = jnp.arange(max_len, dtype=jnp.int32)
     cu = jnp.asarray(cu_q_lens, jnp.int32)
