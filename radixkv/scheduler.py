@@ -8,9 +8,10 @@ Each `schedule()` call builds one model step under a token budget:
    inserted into the tree (so re-admission hits), its private pages are freed, and it goes back to
    the front of the waiting queue.
 2. Then waiting requests, ordered by the policy (`fcfs`, `lpm`, `dfs-weight`), are admitted while
-   the budget, `max_batch` and the free pages (after eviction) allow. Admission matches the
-   request's tokens in the tree, increfs the matched pages into its block table and locks the
-   matched node.
+   the budget, `max_batch` and the free pages (after eviction) allow. Ranking measures cached
+   prefixes with the tree's read-only `peek_length` (no hit counts, no LRU refresh); admission
+   matches the request's tokens in the tree (a hit on the matched path), increfs the matched
+   pages into its block table and locks the matched node.
 
 Page lifecycle: a request owns one reference to every page of its block table. Before a step
 writes positions of a page whose reference count is > 1 (a mid-page cache hit, a fork), the page
@@ -33,6 +34,7 @@ from typing import Any
 
 from radixkv.metrics import Counters
 from radixkv.sampling import SamplingParams
+from radixkv.tree import RadixTree
 
 __all__ = [
     "POLICIES",
@@ -175,6 +177,9 @@ class Scheduler:
         self.starvation_steps = starvation_steps
         self.in_batch_sharing = in_batch_sharing
         self.lpm_max_waiting = lpm_max_waiting
+        # A RadixTree ranks with the read-only peek_length and re-finds its own inserted chunks
+        # without counting a hit; other indexes (HashIndex, test fakes) get plain match().
+        self._radix = isinstance(tree, RadixTree)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order (oldest first)
         self._admit_counter = itertools.count()
@@ -366,7 +371,11 @@ class Scheduler:
         pages = req.pages[:full]
         self.pool.incref(pages)
         self.tree.insert(req.tokens[:n], pages, extra=req.extra)
-        m = self.tree.match(req.tokens[:n], extra=req.extra)
+        # the request's own pages: a lookup for the lock handle, not a hit
+        if self._radix:
+            m = self.tree.match(req.tokens[:n], extra=req.extra, hit=False)
+        else:
+            m = self.tree.match(req.tokens[:n], extra=req.extra)
         if m.node is not None and m.length > 0:
             self.tree.lock(m.node)
             if req.node is not None:
@@ -391,12 +400,8 @@ class Scheduler:
         return keys
 
     def order_waiting(self) -> list[Request]:
-        """The waiting queue in the order the policy would admit it now."""
-        lengths = {}
-        for r in self.waiting:
-            m = self._match(r)
-            lengths[id(r)] = m.length if m is not None else 0
-        return self._order_waiting(lengths)
+        """The waiting queue in the order the policy would admit it now (changes nothing)."""
+        return self._order_waiting({id(r): self._peek(r) for r in self.waiting})
 
     def _order_waiting(self, matches: dict[int, int]) -> list[Request]:
         waiting = list(self.waiting)
@@ -443,9 +448,18 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def _match(self, req: Request):
+        """Admission lookup: counts a hit and refreshes the LRU time of the matched path."""
         if not (self.prefix_cache and req.use_cache):
             return None
         return self.tree.match(req.tokens, extra=req.extra)
+
+    def _peek(self, req: Request) -> int:
+        """Cached-prefix length of a waiting request, for ranking only (no side effect)."""
+        if not (self.prefix_cache and req.use_cache):
+            return 0
+        if self._radix:
+            return self.tree.peek_length(req.tokens, extra=req.extra)
+        return self.tree.match(req.tokens, extra=req.extra).length
 
     def schedule(self) -> list[ScheduledSeq]:
         """Build the next step (may preempt running requests and admit waiting ones)."""
@@ -513,13 +527,9 @@ class Scheduler:
         return keys
 
     def _admit(self, batch: list[ScheduledSeq], budget: int, now: float) -> None:
-        matches: dict[int, Any] = {}
-        considered = list(self.waiting)
-        if self.policy != "fcfs" and len(considered) <= self.lpm_max_waiting:
-            for r in considered:
-                m = self._match(r)
-                matches[id(r)] = m
-        lengths = {k: (m.length if m is not None else 0) for k, m in matches.items()}
+        lengths: dict[int, int] = {}
+        if self.policy != "fcfs" and len(self.waiting) <= self.lpm_max_waiting:
+            lengths = {id(r): self._peek(r) for r in self.waiting}
         order = self._order_waiting(lengths)
         sharing = self.prefix_cache and self.in_batch_sharing
         computing = self._computing_keys() if sharing else set()
@@ -527,8 +537,7 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_batch:
                 break
-            m = self._match(req)  # fresh: admissions before us may have evicted nodes
-            mlen = m.length if m is not None else 0
+            mlen = self._peek(req)  # fresh: admissions before us may have evicted nodes
             # in-batch prefix sharing: wait for the request computing our next page
             if sharing and req.use_cache and req.waited_steps < self.starvation_steps:
                 pk = self._page_keys(req)
@@ -536,6 +545,7 @@ class Scheduler:
                 inside = (k + 1) * self.page_size < len(req.tokens)
                 if k < len(pk) and inside and pk[k] in computing:
                     continue
+            m = self._match(req)  # the admission lookup (same length as the peek)
             cached = min(mlen, len(req.tokens) - 1)
             keep = _cdiv(cached, self.page_size)
             remaining = len(req.tokens) - cached

@@ -11,10 +11,11 @@ mid-page divergence). That page is returned too; its tokens past ``length`` belo
 sequence, so the caller must :meth:`radixkv.pages.PagePool.cow` it before writing into it.
 
 Ownership. The tree holds one pool reference per page it keeps. ``match`` neither increfs nor
-locks; ``insert`` consumes one reference per passed page (kept pages become the tree's,
-duplicates of already-cached pages are decref'd). ``lock(node)`` pins the path from ``node`` to
-the root against eviction; ``evict`` drops least-recently-used unlocked leaves (parents become
-leaves and follow), using a ``SortedList`` of evictable leaves: no scan of the tree.
+locks (``peek_length`` measures a match without touching anything at all); ``insert`` consumes
+one reference per passed page (kept pages become the tree's, duplicates of already-cached pages
+are decref'd). ``lock(node)`` pins the path from ``node`` to the root against eviction; ``evict``
+drops least-recently-used unlocked leaves (parents become leaves and follow), using a
+``SortedList`` of evictable leaves: no scan of the tree.
 
 No jax here; bulk page ids are numpy int64 (intp) arrays, node keys are tuples of ints (compared
 with C-level slice equality; the cyclic GC untracks them, so a big tree costs it nothing).
@@ -358,12 +359,15 @@ class RadixTree:
 
     # ------------------------------------------------------------------ match
 
-    def match(self, tokens: Sequence[int], extra: Hashable = None) -> Match:
+    def match(self, tokens: Sequence[int], extra: Hashable = None, *, hit: bool = True) -> Match:
         """Longest cached prefix of ``tokens`` under ``extra``.
 
         Does not lock and does not incref. Token-granular: when the match ends inside a page
         (``Match.partial``) that page is included and must be copy-on-written before the
-        caller writes into it. Updates LRU time and hit counts of the matched path.
+        caller writes into it. Updates the LRU time of the matched path and, when ``hit`` (a
+        lookup on behalf of a request being served), its hit counts; may split the last
+        matched node so the returned handle covers only the touched pages. To only measure a
+        match (ranking, previews), use :meth:`peek_length`.
         """
         tokens = _as_key(tokens)
         root = self._roots.get(extra)
@@ -396,11 +400,38 @@ class RadixTree:
             node, s = child, s + m
             break
         self._tick += 1
-        self._touch(node, self._tick, hit=s > 0)
+        self._touch(node, self._tick, hit=hit and s > 0)
         if not parts:
             return Match(0, _EMPTY, node)
         arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return Match(s, arr, node, partial=bool(s % ps))
+
+    def peek_length(self, tokens: Sequence[int], extra: Hashable = None) -> int:
+        """``match(tokens, extra).length`` without any side effect.
+
+        Read-only: no split, no hit count, no LRU refresh, no new root. For ranking or
+        previewing requests that are not being served yet.
+        """
+        tokens = _as_key(tokens)
+        node = self._roots.get(extra)
+        if node is None:
+            return 0
+        ps = self.page_size
+        granular = self.token_granular
+        n = len(tokens)
+        s = 0
+        while s < n:
+            child, m = self._best_child(node, tokens, s)
+            if not granular:
+                m -= m % ps
+            if m == 0:
+                break
+            s += m
+            klen = len(child.key)
+            if m < klen or klen % ps:  # ends inside the edge, or at a partial leaf
+                break
+            node = child
+        return s
 
     # ------------------------------------------------------------------ insert
 

@@ -63,7 +63,9 @@ class VizNode:
     ``parent`` is None for children of a root; ``level`` counts edges from the root (1 for a
     root's child); ``start`` is the token offset of the node's first token. ``lru_rank`` is the
     node's place in the eviction order (0 = evicted first) for unlocked leaves, else None.
-    ``text`` is the decoded text of the node's own tokens, ``label`` a one-line snippet of it.
+    ``hits`` counts admission lookups that reused the node (one per request admitted with a
+    cache hit through it; ranking the waiting queue peeks without counting). ``text`` is the
+    decoded text of the node's own tokens, ``label`` a one-line snippet of it.
     """
 
     id: int

@@ -133,6 +133,33 @@ def test_dfs_weight_groups_shared_prefixes():
     assert order(eng, [b + [1], a + [1], c + [2], a + [2]]) == [1, 3, 0, 2]
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_ranking_waiting_requests_leaves_the_tree_untouched(policy):
+    """Ranking peeks (no hits, no LRU refresh, no split); only admissions count hits."""
+    rng = np.random.default_rng()
+    hot = toks(rng, 16)
+    eng = make(policy=policy, max_batch=1, in_batch_sharing=False)
+    eng.generate([hot + toks(rng, 3)], GREEDY)  # cache `hot` (its own lookups count nothing)
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    eng.add_request(toks(rng, 10), long)  # holds the only batch slot, decoding
+    eng.step()
+    for _ in range(3):
+        eng.add_request(hot[: int(rng.integers(6, 16))] + toks(rng, 2), GREEDY)
+    before = eng.tree.snapshot()
+    assert all(n.hits == 0 for n in before["nodes"])
+    for _ in range(5):
+        order = eng.scheduler.order_waiting()
+        assert len(order) == 3
+        eng.step()  # ranks the three waiting requests, admits none
+        assert len(eng.scheduler.waiting) == 3
+    assert eng.tree.snapshot() == before
+    while eng.scheduler.has_unfinished:
+        eng.step()
+    firsts = [n for n in eng.tree.nodes() if n.parent is None]
+    (hot_root,) = [n for n in firsts if n.tokens == tuple(hot[: len(n.tokens)])]
+    assert hot_root.hits == 3  # one per admitted request that reused it
+
+
 def test_aging_guard_prevents_starvation_under_lpm():
     rng = np.random.default_rng(8)
     hot = toks(rng, 16)
