@@ -14,7 +14,7 @@ donated, so the pool is updated in place and a serving run stops compiling after
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +131,25 @@ class AttnMeta:
     num_seqs: jax.Array  # int32 [1]
     decode_only: bool  # static: every sequence has exactly one new token, T == B
 
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, jax.Array], decode_only: bool) -> AttnMeta:
+        """The metadata entries of a packed step's ``arrays`` (see ``ModelRunner._pack``)."""
+        return cls(
+            slot_mapping=arrays["slot_mapping"],
+            kv_lens=arrays["kv_lens"],
+            block_tables=arrays["block_tables"],
+            cu_q_lens=arrays["cu_q_lens"],
+            num_seqs=arrays["num_seqs"],
+            decode_only=decode_only,
+        )
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Root-mean-square norm, computed in float32, scaled by the weight ``w``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm, computed in float32, scaled by a learned weight."""
@@ -140,9 +159,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 def mm(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
@@ -150,6 +167,12 @@ def mm(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     passes), so float32 runs match a float32 reference."""
     prec = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     return jnp.matmul(x, w, precision=prec, preferred_element_type=out_dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """RoPE tables for token positions [T]: float32 cos, sin [T, D/2]."""
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -162,103 +185,102 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-class Attention(nnx.Module):
-    """GQA self-attention that writes and reads the paged KV pool."""
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+ATTN_BIASES = ("bq", "bk", "bv")
 
-    def __init__(self, config: ModelConfig, p: Params, *, attn_impl: str, interpret: bool):
-        self.wq = nnx.Param(p["wq"])
-        self.wk = nnx.Param(p["wk"])
-        self.wv = nnx.Param(p["wv"])
-        self.wo = nnx.Param(p["wo"])
-        self.use_bias = config.attention_bias
-        if self.use_bias:
-            self.bq = nnx.Param(p["bq"])
-            self.bk = nnx.Param(p["bk"])
-            self.bv = nnx.Param(p["bv"])
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
-        self.attn_impl = attn_impl
-        self.interpret = interpret
 
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        kv: tuple[jax.Array, jax.Array],
-        meta: AttnMeta,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        t = x.shape[0]
-        q = mm(x, self.wq[...])
-        k = mm(x, self.wk[...])
-        v = mm(x, self.wv[...])
-        if self.use_bias:
-            q = q + self.bq[...]
-            k = k + self.bk[...]
-            v = v + self.bv[...]
-        q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        kw = dict(impl=self.attn_impl, interpret=self.interpret)
-        k_pages, v_pages = pallas_kernels.write_kv(
-            kv[0], kv[1], k.astype(kv[0].dtype), v.astype(kv[1].dtype), meta.slot_mapping, **kw
+def decoder_layer(
+    lp: Mapping[str, jax.Array],
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    kv: tuple[jax.Array, jax.Array],
+    meta: AttnMeta,
+    *,
+    config: ModelConfig,
+    num_heads: int,
+    num_kv_heads: int,
+    attn_impl: str,
+    interpret: bool,
+    reduce: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One Llama layer: pre-norm GQA attention over the paged pool, then a pre-norm SwiGLU MLP
+    (``down(silu(gate(h)) * up(h))``), each with a residual.
+
+    ``lp`` holds the layer's weights as in :func:`init_params` (:data:`LAYER_WEIGHTS`, plus
+    :data:`ATTN_BIASES` when ``config.attention_bias``); ``num_heads`` / ``num_kv_heads`` are
+    the heads those weights hold (all of them, or one tensor-parallel shard's). The new K/V are
+    written into ``kv`` (one layer's ``(k_pages, v_pages)``), which comes back updated.
+    ``reduce`` combines the attention-output and MLP-down projections before each residual add
+    (a sum over shards when the weights are split; None: used as they are).
+    """
+    t, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
+    kw = dict(impl=attn_impl, interpret=interpret)
+    h = rms_norm(x, lp["attn_norm"], eps)
+    q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
+    if config.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = apply_rope(q.reshape(t, num_heads, d), cos, sin)
+    k = apply_rope(k.reshape(t, num_kv_heads, d), cos, sin)
+    v = v.reshape(t, num_kv_heads, d)
+    k_pages, v_pages = pallas_kernels.write_kv(
+        kv[0], kv[1], k.astype(kv[0].dtype), v.astype(kv[1].dtype), meta.slot_mapping, **kw
+    )
+    q = q.astype(k_pages.dtype)
+    if meta.decode_only:
+        o = pallas_kernels.paged_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.block_tables,
+            sliding_window=config.sliding_window,
+            **kw,
         )
-        q = q.astype(k_pages.dtype)
-        if meta.decode_only:
-            o = pallas_kernels.paged_decode_attention(
-                q,
-                k_pages,
-                v_pages,
-                meta.kv_lens,
-                meta.block_tables,
-                sliding_window=self.sliding_window,
-                **kw,
-            )
-        else:
-            o = pallas_kernels.ragged_paged_attention(
-                q,
-                k_pages,
-                v_pages,
-                meta.kv_lens,
-                meta.block_tables,
-                meta.cu_q_lens,
-                meta.num_seqs,
-                sliding_window=self.sliding_window,
-                **kw,
-            )
-        o = o.reshape(t, self.num_heads * self.head_dim).astype(x.dtype)
-        return mm(o, self.wo[...]), (k_pages, v_pages)
-
-
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, p: Params):
-        self.w_gate = nnx.Param(p["w_gate"])
-        self.w_up = nnx.Param(p["w_up"])
-        self.w_down = nnx.Param(p["w_down"])
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(mm(x, self.w_gate[...])) * mm(x, self.w_up[...])
-        return mm(h, self.w_down[...])
+    else:
+        o = pallas_kernels.ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.block_tables,
+            meta.cu_q_lens,
+            meta.num_seqs,
+            sliding_window=config.sliding_window,
+            **kw,
+        )
+    o = mm(o.reshape(t, num_heads * d).astype(x.dtype), lp["wo"])
+    x = x + (o if reduce is None else reduce(o))
+    h = rms_norm(x, lp["mlp_norm"], eps)
+    m = mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
+    x = x + (m if reduce is None else reduce(m))
+    return x, (k_pages, v_pages)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + pre-norm MLP with residuals."""
+    """One layer's weights (see :func:`decoder_layer`, which computes it)."""
 
     def __init__(self, config: ModelConfig, p: Params, *, attn_impl: str, interpret: bool):
-        self.attn_norm = RMSNorm(p["attn_norm"], config.rms_norm_eps)
-        self.attn = Attention(config, p, attn_impl=attn_impl, interpret=interpret)
-        self.mlp_norm = RMSNorm(p["mlp_norm"], config.rms_norm_eps)
-        self.mlp = MLP(p)
+        names = LAYER_WEIGHTS + (ATTN_BIASES if config.attention_bias else ())
+        self.w = nnx.Dict({n: nnx.Param(p[n]) for n in names})
+        self.config = config
+        self.attn_impl = attn_impl
+        self.interpret = interpret
 
     def __call__(self, x, cos, sin, kv, meta):
-        a, kv = self.attn(self.attn_norm(x), cos, sin, kv, meta)
-        x = x + a
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, kv
+        return decoder_layer(
+            {n: w[...] for n, w in self.w.items()},
+            x,
+            cos,
+            sin,
+            kv,
+            meta,
+            config=self.config,
+            num_heads=self.config.num_heads,
+            num_kv_heads=self.config.num_kv_heads,
+            attn_impl=self.attn_impl,
+            interpret=self.interpret,
+        )
 
 
 class Llama(nnx.Module):
@@ -297,8 +319,7 @@ class Llama(nnx.Module):
         self, tokens: jax.Array, positions: jax.Array, pool: KVPool, meta: AttnMeta
     ) -> tuple[jax.Array, KVPool]:
         x = jnp.take(self.embed[...], tokens, axis=0)
-        ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq)[None, :]
-        cos, sin = jnp.cos(ang), jnp.sin(ang)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
         new_pool = []
         for layer, kv in zip(self.layers, pool, strict=True):
             x, kv = layer(x, cos, sin, kv, meta)
@@ -456,7 +477,7 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         src[: len(pairs)] = [p[0] for p in pairs]
         dst[: len(pairs)] = [p[1] for p in pairs]
-        self.pool = self._copy_jit(self.pool, jnp.asarray(src), jnp.asarray(dst))
+        self.pool = self._copy_jit(self.pool, src, dst)
 
     def bucket_sizes(self, max_tokens: int, max_batch: int, max_context: int) -> dict:
         """The bucket values steps within these bounds can use (``tokens``, ``batch``,
@@ -534,14 +555,7 @@ class ModelRunner:
         self._num_compilations += 1  # runs once per trace, i.e. per compiled shape
         state = jax.tree_util.tree_unflatten(self._weights_def, weights)
         model = nnx.merge(self._graphdef, state)
-        meta = AttnMeta(
-            slot_mapping=arrays["slot_mapping"],
-            kv_lens=arrays["kv_lens"],
-            block_tables=arrays["block_tables"],
-            cu_q_lens=arrays["cu_q_lens"],
-            num_seqs=arrays["num_seqs"],
-            decode_only=decode_only,
-        )
+        meta = AttnMeta.from_arrays(arrays, decode_only)
         hidden, pool = model(arrays["tokens"], arrays["positions"], pool, meta)
         rows = jnp.take(hidden, arrays["logit_rows"], axis=0)
         return model.logits(rows), pool

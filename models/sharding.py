@@ -36,17 +36,17 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from models.config import ModelConfig
-from models.errors import ModelInputError
-from models.llama import KVPool, ModelRunner, Params, apply_rope, bucket, validate_params
-
-try:  # the single-device model's matmul (full float32 precision for float32 weights)
-    from models.llama import mm
-except ImportError:  # pragma: no cover - older models.llama
-
-    def mm(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-        prec = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-        return jnp.matmul(x, w, precision=prec, preferred_element_type=out_dtype)
-
+from models.llama import (
+    AttnMeta,
+    KVPool,
+    ModelRunner,
+    Params,
+    decoder_layer,
+    mm,
+    rms_norm,
+    rope_cos_sin,
+    validate_params,
+)
 
 __all__ = [
     "DATA",
@@ -243,12 +243,6 @@ def shard_params(
 # the per-shard forward
 
 
-def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
-
-
 def _local_step(
     config: ModelConfig,
     lay: HeadLayout,
@@ -259,59 +253,31 @@ def _local_step(
     pool: KVPool,
     arrays: dict[str, jax.Array],
 ):
-    """One model step on one ``model`` shard (local heads, local MLP columns, local vocab)."""
-    eps, d = config.rms_norm_eps, config.head_dim
-    hq, hkv = lay.q_per_device, lay.kv_per_device
-    kw = dict(impl=impl, interpret=interpret)
-    tokens, positions = arrays["tokens"], arrays["positions"]
-    t = tokens.shape[0]
-    x = jnp.take(params["embed"], tokens, axis=0)
-    inv = jnp.asarray(np.asarray(config.rope_inv_freq(), np.float32))
-    ang = positions.astype(jnp.float32)[:, None] * inv[None, :]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    """One model step on one ``model`` shard (local heads, local MLP columns, local vocab): the
+    single-device layer math (:func:`models.llama.decoder_layer`) with the attention-output and
+    MLP-down partial sums added up over the shards."""
+    meta = AttnMeta.from_arrays(arrays, decode_only)
+    x = jnp.take(params["embed"], arrays["tokens"], axis=0)
+    cos, sin = rope_cos_sin(arrays["positions"], np.asarray(config.rope_inv_freq(), np.float32))
     new_pool = []
-    for lp, (kp, vp) in zip(params["layers"], pool, strict=True):
-        h = _rms(x, lp["attn_norm"], eps)
-        q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
-        if config.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(t, hq, d), cos, sin)
-        k = apply_rope(k.reshape(t, hkv, d), cos, sin)
-        v = v.reshape(t, hkv, d)
-        kp, vp = pallas_kernels.write_kv(
-            kp, vp, k.astype(kp.dtype), v.astype(vp.dtype), arrays["slot_mapping"], **kw
+    for lp, kv in zip(params["layers"], pool, strict=True):
+        x, kv = decoder_layer(
+            lp,
+            x,
+            cos,
+            sin,
+            kv,
+            meta,
+            config=config,
+            num_heads=lay.q_per_device,
+            num_kv_heads=lay.kv_per_device,
+            attn_impl=impl,
+            interpret=interpret,
+            reduce=lambda y: jax.lax.psum(y, MODEL),
         )
-        q = q.astype(kp.dtype)
-        if decode_only:
-            o = pallas_kernels.paged_decode_attention(
-                q,
-                kp,
-                vp,
-                arrays["kv_lens"],
-                arrays["block_tables"],
-                sliding_window=config.sliding_window,
-                **kw,
-            )
-        else:
-            o = pallas_kernels.ragged_paged_attention(
-                q,
-                kp,
-                vp,
-                arrays["kv_lens"],
-                arrays["block_tables"],
-                arrays["cu_q_lens"],
-                arrays["num_seqs"],
-                sliding_window=config.sliding_window,
-                **kw,
-            )
-        o = mm(o.reshape(t, hq * d).astype(x.dtype), lp["wo"])
-        x = x + jax.lax.psum(o, MODEL)
-        h = _rms(x, lp["mlp_norm"], eps)
-        m = mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
-        x = x + jax.lax.psum(m, MODEL)
-        new_pool.append((kp, vp))
+        new_pool.append(kv)
     rows = jnp.take(x, arrays["logit_rows"], axis=0)
-    h = _rms(rows, params["norm"], eps)
+    h = rms_norm(rows, params["norm"], config.rms_norm_eps)
     logits = mm(h, params["lm_head"], jnp.float32)
     return logits, tuple(new_pool)
 
@@ -392,44 +358,6 @@ class ShardedModelRunner(ModelRunner):
         c = self.config
         heads = self.tensor_parallel * self.layout.kv_per_device
         return 2 * c.num_layers * heads * c.head_dim * self.dtype.itemsize
-
-    def step(self, seqs: Sequence[Any]) -> list[np.ndarray]:
-        """As :meth:`ModelRunner.step`."""
-        batch = self._pack(seqs)
-        logits, self.pool = self._step_jit(
-            self._weights, self.pool, batch["arrays"], batch["decode"]
-        )
-        out = np.asarray(logits)
-        return [out[a:b] for a, b in batch["logit_spans"]]
-
-    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """As :meth:`ModelRunner.copy_pages` (per shard)."""
-        pairs = [(int(s), int(d)) for s, d in pairs]
-        if not pairs:
-            return
-        for s, d in pairs:
-            if not (0 <= s < self.num_pages and 0 <= d < self.num_pages):
-                raise ModelInputError(f"copy_pages pair ({s}, {d}) outside [0, {self.num_pages})")
-        n = bucket(len(pairs), 8)
-        src = np.zeros(n, np.int32)
-        dst = np.zeros(n, np.int32)
-        src[: len(pairs)] = [p[0] for p in pairs]
-        dst[: len(pairs)] = [p[1] for p in pairs]
-        self.pool = self._copy_jit(self.pool, src, dst)
-
-    def _run_dummy(self, t: int, nb: int, p: int, *, decode: bool) -> None:
-        arrays = {
-            "tokens": np.zeros(t, np.int32),
-            "positions": np.zeros(t, np.int32),
-            "slot_mapping": np.full(t, -1, np.int32),
-            "kv_lens": np.zeros(nb, np.int32),
-            "block_tables": np.zeros((nb, p), np.int32),
-            "cu_q_lens": np.zeros(nb + 1, np.int32),
-            "num_seqs": np.zeros(1, np.int32),
-            "logit_rows": np.zeros(nb, np.int32),
-        }
-        logits, self.pool = self._step_jit(self._weights, self.pool, arrays, decode)
-        logits.block_until_ready()
 
     def reset_pool(self) -> None:
         """Zero the whole pool (tests / benchmarks)."""
