@@ -175,16 +175,8 @@ class PagePool:
                 )
             new = cur - counts.astype(np.int32)
             self._rc[uniq] = new
-            freed = uniq[new == 0]
-        else:
-            new = rc - 1
-            self._rc[arr] = new
-            freed = arr[new == 0]
-        k = int(freed.size)
-        if k:
-            self._free[self._nfree : self._nfree + k] = freed
-            self._nfree += k
-        return k
+            return self._push_free(uniq[new == 0])
+        return self._release_counted(arr, rc)
 
     def _gather_referenced(self, arr: np.ndarray, what: str) -> np.ndarray:
         """Reference counts of ``arr`` (int ids), raising PageRefError if any id is out of
@@ -214,6 +206,10 @@ class PagePool:
             new = rc - 1
             self._rc[arr] = new
             freed = arr[new == 0]
+        return self._push_free(freed)
+
+    def _push_free(self, freed: np.ndarray) -> int:
+        """Put pages whose reference count reached 0 back on the free stack; returns how many."""
         k = int(freed.size)
         if k:
             self._free[self._nfree : self._nfree + k] = freed
