@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 INDEXES = ("radix", "paged", "hash", "none")
+POLICIES = ("fcfs", "lpm", "dfs-weight")
 
 
 class CapacityError(ValueError):
@@ -318,7 +319,7 @@ def schedule_order(
     ``fcfs`` in arrival order, ``lpm`` longest cached prefix first, ``dfs-weight`` SGLang's
     depth-first walk of the tree, heavier subtrees (more waiting requests) first.
     """
-    if policy not in ("fcfs", "lpm", "dfs-weight"):
+    if policy not in POLICIES:
         raise ValueError(f"policy must be fcfs, lpm or dfs-weight, got {policy!r}")
     rep = _Replayer(kind, capacity_pages, page_size)
     tree = rep.index
@@ -407,11 +408,41 @@ def _dfs_weight(tree: RadixTree, reqs: Sequence[Request], ready: list[int]) -> l
 # ---------------------------------------------------------------------------- grid
 
 
+def _scaled(x: int, scale: float) -> int:
+    return max(2, int(round(x * scale)))
+
+
+def chat_workload(scale: float = 1.0, seed: int = 0, **extra) -> list[Request]:
+    """The hit-rate benchmark's ``chat`` trace (``extra``: more ``make_workload`` options)."""
+    return make_workload(
+        "chat",
+        num_conversations=_scaled(32, scale),
+        turns=6,
+        system_len=256,
+        user_len=64,
+        assistant_len=128,
+        seed=seed,
+        **extra,
+    )
+
+
 def default_workloads(scale: float = 1.0, seed: int = 0) -> dict[str, list[Request]]:
     """The hit-rate workloads (sizes scaled by ``scale``)."""
 
     def n(x: int) -> int:
-        return max(2, int(round(x * scale)))
+        return _scaled(x, scale)
+
+    def shared_prefix(num_groups: int, prompts_per_group: int, **extra) -> list[Request]:
+        return make_workload(
+            "shared_prefix",
+            num_groups=n(num_groups),
+            prompts_per_group=prompts_per_group,
+            system_len=1024,
+            question_len=128,
+            output_len=64,
+            seed=seed,
+            **extra,
+        )
 
     return {
         "few_shot": make_workload(
@@ -423,34 +454,9 @@ def default_workloads(scale: float = 1.0, seed: int = 0) -> dict[str, list[Reque
             output_len=1,
             seed=seed,
         ),
-        "shared_prefix": make_workload(
-            "shared_prefix",
-            num_groups=n(32),
-            prompts_per_group=8,
-            system_len=1024,
-            question_len=128,
-            output_len=64,
-            seed=seed,
-        ),
-        "shared_prefix_zipf": make_workload(
-            "shared_prefix",
-            num_groups=n(64),
-            prompts_per_group=4,
-            system_len=1024,
-            question_len=128,
-            output_len=64,
-            popularity="zipf",
-            seed=seed,
-        ),
-        "chat": make_workload(
-            "chat",
-            num_conversations=n(32),
-            turns=6,
-            system_len=256,
-            user_len=64,
-            assistant_len=128,
-            seed=seed,
-        ),
+        "shared_prefix": shared_prefix(32, 8),
+        "shared_prefix_zipf": shared_prefix(64, 4, popularity="zipf"),
+        "chat": chat_workload(scale, seed),
         "agent": make_workload(
             "agent",
             num_agents=n(12),
@@ -467,7 +473,7 @@ def run_grid(
     fractions: Sequence[float] = (1.0, 0.5, 0.25, 0.1),
     page_size: int = 16,
     indexes: Sequence[str] = INDEXES,
-    policies: Sequence[str] = ("fcfs", "lpm", "dfs-weight"),
+    policies: Sequence[str] = POLICIES,
 ) -> tuple[list[dict], list[dict]]:
     """Hit rates for every workload x pool size: (index rows, scheduling rows)."""
     rows, sched_rows = [], []
@@ -506,24 +512,21 @@ def plot(rows: list[dict], sched_rows: list[dict], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def panel(ax, rs: list[dict], cols: Sequence[str], ylabel: str) -> None:
+        for c in cols:
+            ax.plot([r["fraction"] for r in rs], [100 * r[c] for r in rs], marker="o", label=c)
+        ax.set_xscale("log")
+        ax.set_xlabel("pool / holds-everything")
+        ax.set_ylabel(ylabel)
+
     names = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(2, len(names), figsize=(4 * len(names), 7), squeeze=False)
     for j, name in enumerate(names):
         rs = [r for r in rows if r["workload"] == name]
-        ax = axes[0][j]
-        for c in (*INDEXES, "belady"):
-            ax.plot([r["fraction"] for r in rs], [100 * r[c] for r in rs], marker="o", label=c)
-        ax.set_title(name)
-        ax.set_xscale("log")
-        ax.set_xlabel("pool / holds-everything")
-        ax.set_ylabel("token hit rate %")
+        panel(axes[0][j], rs, (*INDEXES, "belady"), "token hit rate %")
+        axes[0][j].set_title(name)
         ss = [r for r in sched_rows if r["workload"] == name]
-        ax2 = axes[1][j]
-        for c in ("fcfs", "lpm", "dfs-weight"):
-            ax2.plot([r["fraction"] for r in ss], [100 * r[c] for r in ss], marker="o", label=c)
-        ax2.set_xscale("log")
-        ax2.set_xlabel("pool / holds-everything")
-        ax2.set_ylabel("radix hit rate % by schedule")
+        panel(axes[1][j], ss, POLICIES, "radix hit rate % by schedule")
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
     fig.tight_layout()
@@ -554,7 +557,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     print(_table(rows, (*INDEXES, "belady")))
     print()
     print("radix hit rate by scheduling order (window 64, batch 8)")
-    print(_table(sched, ("fcfs", "lpm", "dfs-weight")))
+    print(_table(sched, POLICIES))
     if not args.no_plot:
         print("plot:", plot(rows, sched, args.plot))
     return rows, sched

@@ -37,8 +37,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from benchmarks.hit_rate import _Replayer, default_workloads, required_pages
-from benchmarks.workloads import Request, make_workload
+from benchmarks.hit_rate import _Replayer, chat_workload, default_workloads, required_pages
+from benchmarks.workloads import Request
 from radixkv.router import make_router
 
 __all__ = ["RouteResult", "simulate_routing", "workloads", "run", "main"]
@@ -58,16 +58,7 @@ def workloads(scale: float = 1.0, seed: int = 0) -> dict[str, list[Request]]:
     arriving in random order (the default round-robin turn order sends conversation c to
     replica c mod M under round-robin routing whenever M divides the conversation count)."""
     w = default_workloads(scale, seed)
-    w["chat_random"] = make_workload(
-        "chat",
-        num_conversations=max(2, int(round(32 * scale))),
-        turns=6,
-        system_len=256,
-        user_len=64,
-        assistant_len=128,
-        interleave="random",
-        seed=seed,
-    )
+    w["chat_random"] = chat_workload(scale, seed, interleave="random")
     return w
 
 
