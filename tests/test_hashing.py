@@ -7,23 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prefix_oracles import cdiv, lcp
 
 from radixkv.hashing import HashIndex, PageHasher, encode_extra
 from radixkv.pages import PagePool
 from radixkv.tree import RadixTree
-
-
-def cdiv(a, b):
-    return -(-a // b)
-
-
-def lcp(a, b):
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_chain_is_incremental_and_depends_on_prefix_and_extra():

@@ -13,22 +13,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from prefix_oracles import cdiv, lcp
 
 from radixkv.pages import OutOfPages, PagePool, PageRefError
 from radixkv.tree import RadixTree
-
-
-def cdiv(a, b):
-    return -(-a // b)
-
-
-def lcp(a, b):
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def fresh(tree, tokens, extra=None):
