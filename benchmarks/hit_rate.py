@@ -479,7 +479,9 @@ def run_grid(
     rows, sched_rows = [], []
     for name, reqs in workloads.items():
         full = required_pages(reqs, page_size)
-        min_pages = max(-(-(len(r.tokens) + len(r.output)) // page_size) for r in reqs)
+        # One page more than the longest request: a match ending mid-page keeps that page locked
+        # in the index while the request writes its own copy of it.
+        min_pages = 1 + max(-(-(len(r.tokens) + len(r.output)) // page_size) for r in reqs)
         trie = PrefixTrie([r.tokens + r.output for r in reqs], [len(r.tokens) for r in reqs])
         for f in fractions:
             pages = max(min_pages, int(full * f))

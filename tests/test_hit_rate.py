@@ -142,3 +142,13 @@ def test_run_grid_rows():
     for r in rows:
         assert all(0 <= r[k] <= r["belady"] + 1e-12 for k in ("radix", "paged", "hash"))
     assert set(sched[0]) >= {"fcfs", "lpm", "dfs-weight"}
+
+
+def test_run_grid_smallest_pool_fits_a_mid_page_match():
+    # Prompts of 21 tokens share 19: the match ends mid-page, so the index keeps that page locked
+    # while the request writes its own copy. The smallest pool must still serve every request.
+    shared = list(range(100, 119))
+    wl = {"mid": [Request(tokens=shared + [i, i + 1], output=[7] * 5) for i in range(6)]}
+    rows, _ = run_grid(wl, fractions=(0.01,), page_size=16)
+    assert rows[0]["pages"] == 3
+    assert rows[0]["radix"] > 0
