@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from benchmarks import workloads as wl
-from radixkv.demo import DEMO_CONTEXT, demo_runner_kwargs
+from radixkv.demo import DEMO_CONTEXT, demo_runner_kwargs, fresh_engine
 from radixkv.engine import Engine
 from radixkv.sampling import SamplingParams
 
@@ -113,21 +113,6 @@ def run_trace(engine: Engine, trace: list) -> dict:
     }
 
 
-def fresh(base: Engine, prefix_cache: bool, **kw) -> Engine:
-    sch = base.scheduler
-    return Engine(
-        base.runner,
-        base.tokenizer,
-        num_pages=base.num_pages,
-        page_size=base.page_size,
-        max_batch=sch.max_batch,
-        max_num_batched_tokens=sch.max_num_batched_tokens,
-        policy=kw.get("policy", sch.policy),
-        prefix_cache=prefix_cache,
-        vocab_size=base.vocab_size,
-    )
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="model path; 'tiny' = random test model")
@@ -161,7 +146,7 @@ def main(argv=None) -> int:
         trace = build(name, base.vocab_size, args.scale)
         res = {}
         for cache in (False, True):
-            res["on" if cache else "off"] = run_trace(fresh(base, cache), trace)
+            res["on" if cache else "off"] = run_trace(fresh_engine(base, cache), trace)
         on, off = res["on"], res["off"]
         same = sum(a == b for a, b in zip(on["outputs"], off["outputs"], strict=True))
         for r in (on, off):

@@ -25,6 +25,7 @@ __all__ = [
     "DEMO_CONTEXT",
     "DemoRow",
     "demo_runner_kwargs",
+    "fresh_engine",
     "few_shot_prompts",
     "run_agent",
     "run_demo",
@@ -185,7 +186,7 @@ def run_demo(
         log(f"  compiled {n} step shapes in {time.perf_counter() - t0:.1f} s")
     for name, fn in workloads.items():
         for cache in (False, True):
-            eng = _fresh(engine, cache)
+            eng = fresh_engine(engine, cache)
             t0 = time.perf_counter()
             outs = fn(eng)
             wall = time.perf_counter() - t0
@@ -203,8 +204,9 @@ def demo_runner_kwargs(max_batch: int, page_size: int) -> dict:
     return {"min_batch_bucket": max_batch, "min_page_bucket": pages}
 
 
-def _fresh(engine: Engine, prefix_cache: bool) -> Engine:
-    """A fresh engine (pool + tree) on the same model runner (compiled steps are shared)."""
+def fresh_engine(engine: Engine, prefix_cache: bool) -> Engine:
+    """A fresh engine (pool + tree) on the same model runner (compiled steps are shared), with
+    the same pool size, batch limits and policy, and the prefix cache on or off."""
     sch = engine.scheduler
     return Engine(
         engine.runner,
