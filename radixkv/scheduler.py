@@ -279,18 +279,25 @@ class Scheduler:
         except ValueError:
             pass
 
-    def finish(self, req: Request, reason: str) -> None:
-        """A request is done (stop / length / abort): cache its sequence and free its pages."""
+    def _retire(self, req: Request, reason: str, *, insert: bool) -> bool:
+        """Take req off its queue (a running one gives back its pages, into the tree when
+        insert) and mark it finished; False if it already was."""
         if req.finished:
-            return
+            return False
         if req.status is RequestStatus.RUNNING:
             self._remove_running(req)
-            self._release(req, insert=True)
+            self._release(req, insert=insert)
         else:
             self._remove_waiting(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
+        return True
+
+    def finish(self, req: Request, reason: str) -> None:
+        """A request is done (stop / length / abort): cache its sequence and free its pages."""
+        if not self._retire(req, reason, insert=True):
+            return
         if reason == "abort":
             self.counters.requests_aborted += 1
         else:
@@ -298,17 +305,9 @@ class Scheduler:
 
     def fail(self, req: Request, error: BaseException) -> None:
         """A request failed inside a step: release pages and locks without caching its KV."""
-        if req.finished:
+        if not self._retire(req, "error", insert=False):
             return
-        if req.status is RequestStatus.RUNNING:
-            self._remove_running(req)
-            self._release(req, insert=False)
-        else:
-            self._remove_waiting(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = "error"
         req.error = error
-        req.finished_at = time.perf_counter()
         self.counters.requests_failed += 1
 
     def abort(self, req: Request) -> None:
