@@ -106,6 +106,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stream_to_stdout(engine, prompt, sp: SamplingParams):
+    """Stream one prompt's answer to stdout (then a newline); returns its final output."""
+    final = None
+    for d in engine.stream([prompt], sp):
+        if d.output is not None:
+            final = d.output
+        else:
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return final
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _engine(args)
     prompt = args.prompt
@@ -116,14 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    final = None
-    for d in engine.stream([prompt], sp):
-        if d.output is not None:
-            final = d.output
-        else:
-            sys.stdout.write(d.text)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
+    final = _stream_to_stdout(engine, prompt, sp)
     if args.verbose and final is not None:
         t = final.timings
         print(
@@ -153,14 +159,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         sys.stdout.write("assistant> ")
-        final = None
-        for d in engine.stream([messages], sp):
-            if d.output is not None:
-                final = d.output
-            else:
-                sys.stdout.write(d.text)
-                sys.stdout.flush()
-        sys.stdout.write("\n")
+        final = _stream_to_stdout(engine, messages, sp)
         messages.append({"role": "assistant", "content": final.text if final else ""})
         if args.verbose and final is not None:
             print(
@@ -174,18 +173,11 @@ _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
 def _read_done_ids(path: str) -> set[str]:
-    done: set[str] = set()
+    from radixkv.distributed import output_records
+
     if not os.path.exists(path):
-        return done
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a partial last line from an interrupted run
-            if isinstance(rec, dict) and "id" in rec:
-                done.add(str(rec["id"]))
-    return done
+        return set()
+    return {str(rec["id"]) for rec in output_records(path)}
 
 
 def cmd_batch(args: argparse.Namespace, engine=None) -> int:

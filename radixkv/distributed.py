@@ -29,11 +29,11 @@ import inspect
 import json
 import os
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from radixkv.hashing import PageHasher
+from radixkv.router import run_in_threads
 
 __all__ = [
     "add_distributed_args",
@@ -43,6 +43,7 @@ __all__ = [
     "prefix_partition",
     "write_share",
     "part_path",
+    "output_records",
     "merge_outputs",
     "run_batch",
     "main",
@@ -244,19 +245,26 @@ def write_share(input_path: str, share_path: str, keep_lines: set[int]) -> None:
     os.replace(tmp, share_path)
 
 
+def output_records(path: str) -> Iterator[dict]:
+    """The JSON-object records with an ``id`` of a ``radixkv batch`` output file (other lines,
+    such as a partial last line of an interrupted run, are skipped)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "id" in rec:
+                yield rec
+
+
 def merge_outputs(input_path: str, parts: Sequence[str], output: str) -> int:
     """Write the records of all ``parts`` to ``output`` in input order; returns the number
     written. Raises ValueError if an input record has no output in any part."""
     recs: dict[str, list[dict]] = {}
     for p in parts:
-        with open(p, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a partial last line of an interrupted part
-                if isinstance(rec, dict) and "id" in rec:
-                    recs.setdefault(str(rec["id"]), []).append(rec)
+        for rec in output_records(p):
+            recs.setdefault(str(rec["id"]), []).append(rec)
     ordered = []
     missing = []
     for _, rid in input_ids(input_path):
@@ -339,7 +347,6 @@ def run_batch(
     chains = _chains(engines[0], args.input, engines[0].page_size)
     part = prefix_partition([c for _, c in chains], num_parts)
     local = [pid * dp + r for r in range(dp)]
-    errors: list[BaseException] = []
     codes = [0] * dp
 
     def run(r: int) -> None:
@@ -357,19 +364,11 @@ def run_batch(
                 codes[r] = int(batch_fn(sub, engine=engines[r]) or 0)
             else:  # an older batch loop that builds its own engine
                 codes[r] = int(batch_fn(sub) or 0)
-        except BaseException as e:
-            errors.append(e)
         finally:
             if os.path.exists(share):
                 os.remove(share)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_in_threads(run, dp)
     print(
         f"process {pid}/{nproc}: {sum(1 for p in part if p in local)} of {len(part)} records "
         f"in shares {local}",

@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,28 @@ __all__ = [
     "RoundRobinRouter",
     "make_router",
     "DataParallelEngine",
+    "run_in_threads",
 ]
+
+
+def run_in_threads(fn: Callable[[int], None], n: int) -> None:
+    """Run ``fn(0) ... fn(n - 1)`` in ``n`` threads; after all have ended, re-raise the first
+    exception any of them raised (in the caller's thread)."""
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            fn(r)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 class ReplicaIndex:
@@ -389,7 +410,6 @@ class DataParallelEngine:
         for i, x in enumerate(routed):
             shares[x.replica].append(i)
         results: list[Any] = [None] * len(prompts)
-        errors: list[BaseException] = []
 
         def run(r: int) -> None:
             idx = shares[r]
@@ -402,19 +422,11 @@ class DataParallelEngine:
                     )
                     for i, o in zip(idx, outs, strict=True):
                         results[i] = o
-            except BaseException as e:  # re-raised in the caller's thread
-                errors.append(e)
             finally:
                 for i in idx:
                     self.router.complete(r, routed[i].cost)
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.engines))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_in_threads(run, len(self.engines))  # re-raises a replica's error here
         self.publish()
         return results
 
