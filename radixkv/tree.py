@@ -583,9 +583,12 @@ class RadixTree:
     def evict(self, num_pages: int) -> int:
         """Release at least ``num_pages`` cached pages if possible; returns pages released.
 
-        Drops whole unlocked leaves in least-recently-used order; a parent left without
-        children (and unlocked) joins the candidates with its own last-access time. A released
-        page returns to the pool only when no block table holds it.
+        Takes pages from unlocked leaves in least-recently-used order, each leaf from its tail:
+        a leaf with more pages than are still needed gives up only its last ones and keeps its
+        head (its prefix still serves matches, as a page-granular index would keep it). A leaf
+        emptied is dropped; a parent left without children (and unlocked) joins the candidates
+        with its own last-access time. A released page returns to the pool only when no block
+        table holds it.
         """
         released: list[np.ndarray] = []
         count = tokens = nodes = 0
@@ -595,8 +598,19 @@ class RadixTree:
         while count < num_pages and lru:
             node = pop_node(pop_lru(0)[1])
             node.in_lru = False
-            parent = node.parent
             key = node.key
+            keep = len(node.pages) - (num_pages - count)
+            if keep > 0:  # trim the tail; the head keeps the leaf's place in the LRU order
+                released.append(node.pages[keep:])
+                count = num_pages
+                tokens += len(key) - keep * ps
+                node.key = key[: keep * ps]
+                node.pages = node.pages[:keep]
+                if node.hashes is not None:
+                    node.hashes = node.hashes[:keep]
+                self._lru_add(node)
+                break
+            parent = node.parent
             if ps == 1:
                 del parent.children[key[0]]
             else:

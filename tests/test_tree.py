@@ -151,10 +151,32 @@ def test_eviction_order_is_lru(ps):
         for j in order[k + 1 :]:
             tree.match(seqs[j])
         assert i not in alive and set(order[k + 1 :]) <= set(alive)
-    # the shared parent became a leaf and goes last
+    # the shared parent became a leaf and goes last, page by page from its tail
     assert tree.cached_tokens == len(shared)
-    assert tree.evict(1) == 2
+    assert tree.evict(1) == 1
+    assert tree.match(seqs[0]).length == ps and pool.num_used == 1
+    assert tree.evict(1) == 1
     assert tree.cached_tokens == 0 and pool.num_used == 0
+
+
+def test_eviction_trims_a_long_leaf_from_its_tail():
+    rng = random.Random(6)
+    pool = PagePool(64)
+    tree = RadixTree(pool, page_size=4)
+    long, other = rand_tokens(rng, 4 * 6 + 2), rand_tokens(rng, 8)  # 7 pages (last partial), 2
+    fresh(tree, long)
+    fresh(tree, other)
+    tree.match(other)  # `long` is now the least recently used leaf
+    head = tree.match(long).pages[:4]
+    tree.match(other)
+    assert tree.evict(3) == 3  # the partial page and two full ones, from the tail
+    m = tree.match(long)
+    assert m.length == 16 and m.pages == head and not m.partial
+    assert tree.match(other).length == 8 and pool.num_used == 6
+    tree.check_invariants()
+    assert tree.evict(5) == 5  # the rest of `long` (4 pages), then one page of `other`
+    assert tree.match(long).length == 0 and tree.match(other).length == 4
+    tree.check_invariants()
 
 
 def test_locked_path_is_never_evicted_and_counters_follow_locks():
