@@ -295,6 +295,12 @@ def cmd_batch(args: argparse.Namespace, engine=None) -> int:
     return 0
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    from benchmarks.e2e import main as e2e_main
+
+    return int(e2e_main(list(argv)) or 0)
+
+
 # ------------------------------------------------------------------------------------ parser
 
 
@@ -340,11 +346,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_distributed_args(p)
     p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser(
+        "bench",
+        add_help=False,
+        help="end-to-end benchmark, prefix cache on vs off (benchmarks/e2e.py; see bench --help)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `radixkv` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every flag after it belongs to benchmarks/e2e.py
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -108,12 +108,26 @@ def test_demo_on_tiny_model(capsys):
         assert int(on[6]) < int(off[6])  # fewer prefill tokens computed
 
 
+def test_bench_passes_its_flags_to_the_e2e_benchmark(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", "tiny", "--workloads", "few_shot", "--scale", "0.25"]
+    assert main([*argv, "--no-warmup", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["few_shot"]
+    off, on = res["off"], res["on"]
+    assert off["cached_tokens"] == 0 and on["cached_tokens"] > 0
+    assert on["prefill_computed"] + on["cached_tokens"] == on["prompt_tokens"]
+    assert on["prefill_computed"] < off["prefill_computed"] == off["prompt_tokens"]
+    n = on["requests"]
+    assert res["identical_outputs"] == f"{n}/{n}"
+    assert "few_shot" in capsys.readouterr().out
+
+
 def test_console_entry_point_help():
     r = subprocess.run(
         [sys.executable, "-m", "radixkv.cli", "--help"], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0
-    for cmd in ("demo", "generate", "chat", "batch"):
+    for cmd in ("demo", "generate", "chat", "batch", "bench"):
         assert cmd in r.stdout
 
 
