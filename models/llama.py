@@ -541,8 +541,13 @@ class ModelRunner:
         logits.block_until_ready()
 
     def reset_pool(self) -> None:
-        """Zero the whole pool (tests / benchmarks)."""
+        """Zero the whole pool (tests / benchmarks; also rebuilds a pool lost to a failed step)."""
         self.pool = jax.tree_util.tree_map(jnp.zeros_like, self.pool)
+
+    def pool_is_valid(self) -> bool:
+        """False when a pool buffer was deleted (donated to a step or copy that then raised):
+        every later step would fail until :meth:`reset_pool` rebuilds it."""
+        return not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.pool))
 
     # -- internals ------------------------------------------------------------------------------
 

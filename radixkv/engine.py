@@ -195,8 +195,9 @@ class Engine:
     """Prefix-cached LLM inference: continuous batching over a radix tree and a paged KV pool.
 
     Build one with `Engine.from_pretrained(...)`; the constructor takes an existing runner (an
-    object with `step(list[SeqInput])`, `copy_pages(pairs)`, `num_compilations`, `max_context`)
-    and tokenizer.
+    object with `step(list[SeqInput])`, `copy_pages(pairs)`, `num_compilations`, `max_context`,
+    and optionally `pool_is_valid()` + `reset_pool()` so a step that loses the device KV pool is
+    recovered from) and tokenizer.
     """
 
     def __init__(
@@ -490,7 +491,9 @@ class Engine:
             return []
         copies = self.pool.take_pending_copies()
         if copies:
-            self.runner.copy_pages(copies)
+            batch = self._copy(batch, copies)
+            if not batch:
+                return []
         logits = self._run(batch)
         updates: list[tuple[Request, list[int]]] = []
         to_sample: list[tuple[ScheduledSeq, np.ndarray]] = []
@@ -517,20 +520,61 @@ class Engine:
             updates.extend(self._sample(to_sample))
         return updates
 
+    def _copy(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]):
+        """Apply the copy-on-write copies; on failure fail the sequences whose pages they were
+        filling (recovering the pool if it was lost). Returns the sequences that may still run."""
+        try:
+            self.runner.copy_pages(copies)
+            return batch
+        except Exception as e:
+            self.counters.step_failures += 1
+            dst = {d for _, d in copies}
+            keep = []
+            for seq in batch:
+                if dst.intersection(seq.pages):
+                    self._fail(seq.request, e)
+                else:
+                    keep.append(seq)
+            if self._pool_lost():
+                self._recover_pool()
+                return []
+            return keep
+
+    def _pool_lost(self) -> bool:
+        """True when the runner's device KV pool is unusable (e.g. donated to a call that then
+        raised). Runners without `pool_is_valid()` are assumed to keep their pool."""
+        check = getattr(self.runner, "pool_is_valid", None)
+        return check is not None and not check()
+
+    def _recover_pool(self) -> None:
+        """The KV pool is gone: requeue every running request to recompute from scratch, empty
+        the prefix cache and rebuild the pool (the caller already failed the step's requests)."""
+        self.scheduler.drop_all_kv()
+        self.runner.reset_pool()
+        self.counters.kv_pool_resets += 1
+
     def _run(self, batch: list[ScheduledSeq]) -> list[np.ndarray | None]:
+        """Run the model step. A failing step is retried one sequence at a time and only the
+        sequences that fail again are failed. If a failure loses the device KV pool, the
+        sequences of the failing call are failed, every other running request is requeued to
+        recompute, the cache is emptied and the pool rebuilt; the step then yields nothing."""
         inputs = [
             self._seq_input(s.token_ids, s.start_pos, s.pages, all_logits=s.all_logits)
             for s in batch
         ]
+        lost: list[np.ndarray | None] = [None] * len(batch)
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
             return list(self.runner.step(inputs))
         except Exception as e:
             self.counters.step_failures += 1
-            if len(batch) == 1:
-                self._fail(batch[0].request, e)
-                return [None]
+            if len(batch) == 1 or self._pool_lost():
+                for seq in batch:
+                    self._fail(seq.request, e)
+                if self._pool_lost():
+                    self._recover_pool()
+                return lost
         # isolate: retry each sequence alone; only the ones that fail again are failed
         out: list[np.ndarray | None] = []
         for seq, inp in zip(batch, inputs, strict=True):
@@ -540,6 +584,9 @@ class Engine:
                 out.append(self.runner.step([inp])[0])
             except Exception as e:
                 self._fail(seq.request, e)
+                if self._pool_lost():  # the KV of the sequences computed so far is gone too
+                    self._recover_pool()
+                    return lost
                 out.append(None)
         return out
 

@@ -35,6 +35,7 @@ class Counters:
     steps: int = 0
     step_failures: int = 0  # model steps that raised (each retried per sequence)
     cow_copies: int = 0  # copy-on-write page copies applied
+    kv_pool_resets: int = 0  # device KV pool lost in a failed step and rebuilt (cache emptied)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -20,6 +20,8 @@ When a prefill chunk completes, the full pages computed so far are inserted into
 (in-batch prefix sharing: a waiting request whose uncached prefix another request is computing
 waits a step and then hits). On finish / preempt / abort the computed tokens are inserted (insert
 consumes the references) and the node is unlocked; on failure the pages are just released.
+If the device KV pool itself is lost (`drop_all_kv`), every running request is requeued to
+recompute from scratch and the prefix cache is emptied.
 """
 
 from __future__ import annotations
@@ -328,6 +330,27 @@ class Scheduler:
         req.num_preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(req)
+
+    def drop_all_kv(self) -> list[Request]:
+        """The device KV pool was lost: forget every page's content.
+
+        Every running request is preempted without caching (its pages and lock released) and
+        requeued at the front of the waiting queue, oldest admission first, to recompute from
+        scratch (its generated tokens stay as prompt continuation, as on any preemption). Pending
+        copy-on-write copies are dropped and the prefix cache is emptied. Returns the requeued
+        requests.
+        """
+        lost, self.running = self.running, []
+        for req in reversed(lost):  # appendleft: the oldest admission ends up first
+            self._release(req, insert=False)
+            req.status = RequestStatus.WAITING
+            req.num_preemptions += 1
+            self.counters.preemptions += 1
+            self.waiting.appendleft(req)
+        self.pool.take_pending_copies()
+        while self.tree.cached_pages and self.tree.evict(self.tree.cached_pages):
+            pass
+        return lost
 
     def fork(self, req: Request, children: Iterable[Request]) -> None:
         """Make each child a running copy of req sharing all its pages (extra refs, extra lock)."""

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 from engine_fakes import assert_refcounts_exact
@@ -313,4 +314,101 @@ def test_soak_tiny_model_with_cancels_and_failures(runner_engine):
     assert st.requests_finished + st.requests_aborted + st.requests_failed == n
     assert st.requests_submitted == n
     assert st.prefix_cache_hits > 0
+    assert_drained(eng)
+
+
+class _PoolLossInjector:
+    """Wraps a runner's jitted step: when armed, the next call (after `skip` more calls) deletes
+    the donated pool buffers and raises, like a device error after donation."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.inner = runner._step_jit
+        self.armed = False
+        self.skip = 0
+        self.fired = 0
+
+    def __call__(self, weights, pool, *args):
+        if self.armed:
+            if self.skip == 0:
+                self.armed = False
+                self.fired += 1
+                for x in jax.tree_util.tree_leaves(pool):
+                    x.delete()
+                raise RuntimeError("injected device failure after donation")
+            self.skip -= 1
+        return self.inner(weights, pool, *args)
+
+
+@pytest.mark.parametrize("where", ["batch", "isolated_retry"])
+def test_lost_kv_pool_is_rebuilt_and_serving_continues(runner_engine, monkeypatch, where):
+    rng = np.random.default_rng(10)
+    base = ids(rng, 16)
+    prompts = [base + ids(rng, int(rng.integers(2, 10))) for _ in range(5)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ref = twin(runner_engine, prefix_cache=False).generate(prompts, sp)
+    eng = twin(runner_engine, max_num_batched_tokens=64)
+    eng.generate([base], sp)  # something cached before the loss
+    inj = _PoolLossInjector(eng.runner)
+    monkeypatch.setattr(eng.runner, "_step_jit", inj)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    reqs = {rid: eng._groups[rid].reqs[0] for rid in rids}
+    for _ in range(100):
+        if all(len(eng.scheduler.running) == 5 and r.num_outputs >= 3 for r in reqs.values()):
+            break
+        eng.step()
+    assert eng.tree.cached_pages > 0 and eng.runner.pool_is_valid()
+    seen = []
+    if where == "batch":
+        # only the two oldest run in the failing step; the pool is lost in the batched call
+        eng.scheduler.max_num_batched_tokens = 2
+        inj.armed = True
+        eng.fault_hook = lambda batch: seen.append([s.request for s in batch])
+    else:
+        # the batched call fails (pool intact); the retry of its second sequence loses the pool
+        def fault(batch):
+            seen.append([s.request for s in batch])
+            if len(batch) > 1:
+                inj.armed, inj.skip = True, 1
+                raise RuntimeError("injected batch failure")
+
+        eng.fault_hook = fault
+    outputs_before = {rid: list(r.output_ids) for rid, r in reqs.items()}
+    assert eng.step() == []
+    eng.fault_hook = None
+    eng.scheduler.max_num_batched_tokens = 64
+    assert inj.fired == 1
+    failed = seen[0][:2] if where == "batch" else [seen[0][1]]
+    assert len(seen[0]) == (2 if where == "batch" else 5)
+    st = eng.stats()
+    assert st.kv_pool_resets == 1 and st.requests_failed == len(failed)
+    assert eng.runner.pool_is_valid()
+    # the cache is empty, nothing runs, every page is free; the others wait to recompute
+    assert eng.tree.cached_pages == 0 and not eng.scheduler.running
+    assert eng.pool.num_free == eng.num_pages
+    assert_refcounts_exact(eng)
+    for rid, r in reqs.items():
+        if r in failed:
+            assert r.finish_reason == "error" and "injected device failure" in str(r.error)
+        else:
+            assert r.status.value == "waiting" and r.num_computed == 0 and not r.pages
+            assert r.output_ids == outputs_before[rid] and r.num_preemptions == 1
+    assert len(eng.scheduler.waiting) == 5 - len(failed)
+    for _ in range(100):  # bounded: a broken recovery must fail, not hang
+        if not eng.has_unfinished:
+            break
+        eng.step()
+    assert not eng.has_unfinished
+    for rid, want in zip(rids, ref, strict=True):
+        out = eng.get_output(rid)
+        if reqs[rid] in failed:
+            assert out.finish_reason == "error" and "injected device failure" in out.error
+        else:
+            assert out.finish_reason == "length" and out.token_ids == want.token_ids
+    # the engine keeps serving and caching: the failed prompts now run, hitting the new cache
+    again = eng.generate([prompts[rids.index(r.request_id)] for r in failed], sp)
+    want = [ref[rids.index(r.request_id)].token_ids for r in failed]
+    assert [o.token_ids for o in again] == want
+    assert all(o.cached_tokens >= 16 for o in again)
+    assert eng.stats().kv_pool_resets == 1
     assert_drained(eng)
