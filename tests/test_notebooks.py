@@ -12,11 +12,10 @@ import os
 import re
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the kernel the notebooks run on; fail, never skip, without it)
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
